@@ -1,1 +1,258 @@
-//! carve-gpu
+//! The hardware seam: one [`GpuBackend`] trait and its value types. No
+//! implementation lives here; `carve-nvml` implements it over NVML (which, in CI,
+//! loads the NVML simulator library `carve-nvml-sim`).
+//!
+//! Calls are blocking (NVML is a blocking C library); async callers wrap them in
+//! `spawn_blocking`. Implementations are passed in explicitly, never chosen by
+//! `cfg!(test)`.
+
+use carve_model::{Architecture, MigProfile, Placement};
+use serde::{Deserialize, Serialize};
+
+/// Current and pending MIG mode of a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigMode {
+    /// MIG mode in effect now.
+    pub current: bool,
+    /// MIG mode after the next GPU reset (equals `current` when nothing is pending).
+    pub pending: bool,
+}
+
+/// One physical GPU as the backend sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuInfo {
+    /// NVML index.
+    pub index: u32,
+    /// Device minor (`/dev/nvidia<minor>`).
+    pub minor: u32,
+    /// UUID, `GPU-...`.
+    pub uuid: String,
+    /// Product name.
+    pub name: String,
+    /// Architecture.
+    pub architecture: Architecture,
+    /// CUDA compute capability (major, minor).
+    pub cuda_compute_capability: (u32, u32),
+    /// Driver version string as NVML reports it (e.g. `580.65.06`).
+    pub driver_version: String,
+    /// PCI bus id (`0000:3b:00.0`).
+    pub pci_bus_id: String,
+    /// Total memory, MiB.
+    pub memory_mib: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Whether the GPU supports MIG at all.
+    pub mig_capable: bool,
+    /// MIG mode, when MIG-capable.
+    pub mig_mode: Option<MigMode>,
+}
+
+/// A compute instance inside a GPU instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ComputeInstanceInfo {
+    /// Compute-instance id (unique within its GPU instance).
+    pub id: u32,
+    /// NVML compute-instance profile id.
+    pub profile_id: u32,
+    /// UUID of the MIG device this CI forms (`MIG-...`), when NVML reports one.
+    pub mig_uuid: Option<String>,
+}
+
+/// A GPU instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuInstanceInfo {
+    /// GPU index of the parent.
+    pub gpu: u32,
+    /// GPU-instance id (unique within its GPU).
+    pub id: u32,
+    /// NVML GPU-instance profile id.
+    pub profile_id: u32,
+    /// Where it sits.
+    pub placement: Placement,
+    /// Its compute instances.
+    pub compute_instances: Vec<ComputeInstanceInfo>,
+}
+
+/// What a caller should do with an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Disposition {
+    /// Try again later (the resource is busy).
+    Retry,
+    /// The thing to remove is already gone: count as done.
+    AlreadyDone,
+    /// Give up and report.
+    Fatal,
+}
+
+/// A backend failure, mapped from NVML return codes so callers can decide.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The NVML library could not be loaded or initialised.
+    #[error("NVML unavailable: {reason}")]
+    Unavailable {
+        /// Why.
+        reason: String,
+    },
+    /// The loaded NVML library lacks a symbol carve needs.
+    #[error("NVML library lacks symbol {symbol}")]
+    MissingSymbol {
+        /// The symbol.
+        symbol: String,
+    },
+    /// `NVML_ERROR_INSUFFICIENT_RESOURCES`: e.g. the placement is occupied.
+    #[error("{call}: insufficient resources ({what})")]
+    InsufficientResources {
+        /// NVML function.
+        call: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// `NVML_ERROR_IN_USE`: e.g. destroying an instance a client still holds.
+    #[error("{call}: in use ({what})")]
+    InUse {
+        /// NVML function.
+        call: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// `NVML_ERROR_NOT_FOUND`: the instance is already gone.
+    #[error("{call}: not found ({what})")]
+    NotFound {
+        /// NVML function.
+        call: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// `NVML_ERROR_NO_PERMISSION`.
+    #[error("{call}: no permission ({what})")]
+    NoPermission {
+        /// NVML function.
+        call: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// `NVML_ERROR_NOT_SUPPORTED`.
+    #[error("{call}: not supported ({what})")]
+    NotSupported {
+        /// NVML function.
+        call: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// The GPU reports profile data that breaks carve's invariants.
+    #[error("GPU {gpu}: inconsistent MIG profile data: {reason}")]
+    Inconsistent {
+        /// GPU index.
+        gpu: u32,
+        /// What is inconsistent.
+        reason: String,
+    },
+    /// No GPU, GPU instance or compute instance with that id.
+    #[error("no such {what}")]
+    NoSuch {
+        /// What was looked up.
+        what: String,
+    },
+    /// Any other NVML return code.
+    #[error("{call} failed with NVML code {code}: {what}")]
+    Nvml {
+        /// NVML function.
+        call: &'static str,
+        /// Return code.
+        code: u32,
+        /// What was asked.
+        what: String,
+    },
+    /// Reading the MIG capability files failed.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl BackendError {
+    /// What a caller should do with this error.
+    #[must_use]
+    pub fn disposition(&self) -> Disposition {
+        match self {
+            Self::InUse { .. } => Disposition::Retry,
+            Self::NotFound { .. } => Disposition::AlreadyDone,
+            _ => Disposition::Fatal,
+        }
+    }
+}
+
+/// The operations carve needs from the GPUs of a node.
+pub trait GpuBackend: Send + Sync + std::fmt::Debug {
+    /// Every GPU on the node, in NVML index order.
+    ///
+    /// # Errors
+    /// NVML failures.
+    fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError>;
+
+    /// The GPU-instance profiles of a GPU with their placements, read from NVML
+    /// (profile indexes enumerated, unsupported ones skipped, ids and placements
+    /// as NVML returns them). Empty for a GPU that is not MIG-capable.
+    ///
+    /// # Errors
+    /// NVML failures, or [`BackendError::Inconsistent`] profile data.
+    fn profiles(&self, gpu: u32) -> Result<Vec<MigProfile>, BackendError>;
+
+    /// MIG mode of a GPU.
+    ///
+    /// # Errors
+    /// NVML failures.
+    fn mig_mode(&self, gpu: u32) -> Result<MigMode, BackendError>;
+
+    /// Enable or disable MIG mode; returns the mode afterwards (on Ampere the
+    /// change stays pending until a GPU reset).
+    ///
+    /// # Errors
+    /// NVML failures.
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigMode, BackendError>;
+
+    /// Every GPU instance of a GPU with its compute instances.
+    ///
+    /// # Errors
+    /// NVML failures.
+    fn gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceInfo>, BackendError>;
+
+    /// Create a GPU instance of `profile_id` at exactly `placement`.
+    ///
+    /// # Errors
+    /// [`BackendError::InsufficientResources`] when the placement is occupied.
+    fn create_gpu_instance(&self, gpu: u32, profile_id: u32, placement: Placement) -> Result<GpuInstanceInfo, BackendError>;
+
+    /// Create the compute instance that spans the whole GPU instance `gi`.
+    ///
+    /// # Errors
+    /// NVML failures.
+    fn create_compute_instance(&self, gpu: u32, gi: u32) -> Result<ComputeInstanceInfo, BackendError>;
+
+    /// Destroy a compute instance.
+    ///
+    /// # Errors
+    /// [`BackendError::NotFound`] when already gone, [`BackendError::InUse`].
+    fn destroy_compute_instance(&self, gpu: u32, gi: u32, ci: u32) -> Result<(), BackendError>;
+
+    /// Destroy a GPU instance (its compute instances must be gone).
+    ///
+    /// # Errors
+    /// [`BackendError::NotFound`] when already gone, [`BackendError::InUse`].
+    fn destroy_gpu_instance(&self, gpu: u32, gi: u32) -> Result<(), BackendError>;
+
+    /// The device-file minor of a MIG capability: GI when `ci` is `None`, else CI.
+    /// Read from `<root>/capabilities/gpu<minor>/mig/gi<gi>[/ci<ci>]/access`
+    /// (`root` is `/proc/driver/nvidia` on a real node, configurable for tests).
+    ///
+    /// # Errors
+    /// The file is missing or unreadable.
+    fn capability_minor(&self, gpu_minor: u32, gi: u32, ci: Option<u32>) -> Result<u32, BackendError>;
+}

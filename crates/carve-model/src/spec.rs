@@ -359,6 +359,8 @@ pub struct PhysicalGpu {
     pub uuid: String,
     /// PCI bus id, e.g. `0000:3b:00.0`, where known.
     pub pci_bus_id: Option<String>,
+    /// PCIe root complex, e.g. `pci0000:3a`, where known.
+    pub pcie_root: Option<String>,
     /// Driver version as a semver string, e.g. `580.65.6`.
     pub driver_version: String,
     /// Product and geometry.

@@ -1,0 +1,1 @@
+//! ResourceSlices a node publishes (built and validated here, sent by carve-kube).

@@ -3,6 +3,7 @@
 //! Subcommands wire the library crates together; this is the only place that
 //! uses `anyhow`.
 
+mod advise;
 mod render;
 
 use std::process::ExitCode;
@@ -30,6 +31,27 @@ enum LogFormat {
 enum Command {
     /// List the built-in GPU models (simulator fixtures) and their MIG profiles.
     Models,
+    /// Recommend MIG, MPS or time-slicing for a workload mix, with the YAML to use.
+    Advise(AdviseArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct AdviseArgs {
+    /// Do the co-located workloads compete for L2 cache / memory bandwidth?
+    #[arg(long, value_enum, default_value = "unknown")]
+    contention: advise::Answer,
+    /// Must a fatal GPU fault of one tenant be kept from killing another's process?
+    #[arg(long, value_enum, default_value = "unknown")]
+    fault_isolation: advise::Answer,
+    /// Request sizes as fractions of one GPU, comma-separated (e.g. 0.1,0.25,0.5).
+    #[arg(long, value_delimiter = ',', required = true)]
+    sizes: Vec<f64>,
+    /// GPU model (see `carve models`).
+    #[arg(long, default_value = "h100-80gb")]
+    model: String,
+    /// The workloads are bursty or dev/test (favours time-slicing when no isolation is needed).
+    #[arg(long)]
+    bursty: bool,
 }
 
 fn init_tracing(format: LogFormat) {
@@ -61,7 +83,18 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
             print!("{}", models_table());
             Ok(ExitCode::SUCCESS)
         }
+        Command::Advise(a) => {
+            let spec = find_model(&a.model)?.spec();
+            let advice = advise::advise(&spec, a.contention, a.fault_isolation, &a.sizes, a.bursty)?;
+            print!("{advice}");
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+fn find_model(key: &str) -> anyhow::Result<&'static carve_model::GpuModel> {
+    carve_model::GpuModel::find(key)
+        .ok_or_else(|| anyhow::anyhow!("unknown GPU model {key:?}; known: {}", carve_model::GpuModel::keys().join(", ")))
 }
 
 fn models_table() -> String {

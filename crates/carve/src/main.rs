@@ -31,8 +31,33 @@ enum LogFormat {
 enum Command {
     /// List the built-in GPU models (simulator fixtures) and their MIG profiles.
     Models,
+    /// Run the Kubernetes API-server stand-in (resource.k8s.io/v1 slices, claims,
+    /// device classes) until interrupted: for local experiments and e2e suites.
+    Apiserver(ApiserverArgs),
     /// Recommend MIG, MPS or time-slicing for a workload mix, with the YAML to use.
     Advise(AdviseArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ApiserverArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:6443")]
+    addr: std::net::SocketAddr,
+    /// Kubernetes version to report (`/version`).
+    #[arg(long, default_value = "1.35", value_parser = parse_kube_version)]
+    kube_version: carve_apiserver::KubeVersion,
+}
+
+/// Parse `1.35` (or `v1.35`, `1.35.2`) into a version.
+fn parse_kube_version(s: &str) -> Result<carve_apiserver::KubeVersion, String> {
+    let t = s.trim_start_matches('v');
+    let mut it = t.split('.');
+    let major = it.next().and_then(|m| m.parse().ok());
+    let minor = it.next().and_then(|m| m.parse().ok());
+    match (major, minor) {
+        (Some(major), Some(minor)) => Ok(carve_apiserver::KubeVersion { major, minor }),
+        _ => Err(format!("{s:?} is not a Kubernetes version like 1.35")),
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -81,6 +106,18 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
     match cmd {
         Command::Models => {
             print!("{}", models_table());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Apiserver(a) => {
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(async {
+                let opts = carve_apiserver::Options { addr: a.addr, version: a.kube_version };
+                eprintln!("carve apiserver: serving Kubernetes {} on http://{}", a.kube_version, a.addr);
+                carve_apiserver::serve(opts, async {
+                    let _ = tokio::signal::ctrl_c().await;
+                })
+                .await
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Advise(a) => {

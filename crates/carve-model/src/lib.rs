@@ -11,6 +11,7 @@ pub mod geometry;
 pub mod models;
 pub mod names;
 pub mod order;
+pub mod sharing;
 pub mod slices;
 pub mod spec;
 

@@ -1,0 +1,995 @@
+//! Checks a set of ResourceSlices against the `resource.k8s.io/v1` rules a
+//! driver can break (dra-api.md A.1–A.5), for the 1.34 or the 1.35+ layout.
+//!
+//! This is not the API server: it checks what carve publishes, plus the
+//! cross-slice rules the 1.35+ API server leaves to the scheduler (a counter
+//! reference that does not resolve makes the whole pool unallocatable).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceAttribute, ResourceSlice};
+
+use super::KubeLayout;
+use super::quantity::{self, Amount};
+
+/// Numeric limits of `resource.k8s.io/v1` (dra-api.md A.5).
+pub mod limits {
+    /// Devices per slice.
+    pub const DEVICES_PER_SLICE: usize = 128;
+    /// Devices per slice when any device has taints or consumes counters (1.35+).
+    pub const DEVICES_PER_SLICE_ADVANCED: usize = 64;
+    /// Counter sets per slice (1.35+).
+    pub const COUNTER_SETS_PER_SLICE: usize = 8;
+    /// Counters per counter set (1.35+).
+    pub const COUNTERS_PER_SET: usize = 32;
+    /// Counters in all counter sets of one slice (1.34).
+    pub const SHARED_COUNTERS_PER_SLICE_V134: usize = 32;
+    /// consumesCounters entries per device (1.35+).
+    pub const CONSUMPTIONS_PER_DEVICE: usize = 2;
+    /// Counters per consumesCounters entry (1.35+).
+    pub const COUNTERS_PER_CONSUMPTION: usize = 32;
+    /// Counters over all consumesCounters entries of one device (1.34).
+    pub const COUNTERS_PER_DEVICE_V134: usize = 32;
+    /// Device counter entries in one slice (1.34).
+    pub const DEVICE_COUNTERS_PER_SLICE_V134: usize = 1024;
+    /// Attributes plus capacities per device.
+    pub const ATTRIBUTES_AND_CAPACITIES: usize = 32;
+    /// Bytes of a string or version attribute.
+    pub const ATTRIBUTE_STRING_BYTES: usize = 64;
+    /// Taints per device in 1.34.
+    pub const TAINTS_V134: usize = 4;
+    /// Taints per device in 1.35+.
+    pub const TAINTS: usize = 16;
+    /// Driver name length.
+    pub const DRIVER_NAME: usize = 63;
+    /// Pool name length.
+    pub const POOL_NAME: usize = 253;
+    /// DNS label length.
+    pub const DNS_LABEL: usize = 63;
+    /// DNS subdomain length.
+    pub const DNS_SUBDOMAIN: usize = 253;
+    /// Length of the C-identifier part of an attribute or capacity name.
+    pub const C_IDENTIFIER: usize = 32;
+    /// Label value length.
+    pub const LABEL_VALUE: usize = 63;
+}
+
+/// A rule of the ResourceSlice API; each [`ValidationError`] names one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Rule {
+    /// `metadata.name` is required and a DNS subdomain.
+    SliceName,
+    /// `metadata.labels` keys and values have label syntax.
+    Label,
+    /// `spec.driver` is a DNS subdomain of at most 63 characters.
+    DriverName,
+    /// `spec.pool.name` is one or more DNS subdomains joined by `/`, at most 253.
+    PoolName,
+    /// `spec.pool.generation` is at least 0 and the same in every slice of a pool.
+    Generation,
+    /// `spec.pool.resourceSliceCount` is positive and equals the slices of the pool.
+    SliceCount,
+    /// Exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection,
+    /// each with a valid value.
+    NodeSelection,
+    /// Too many devices in one slice.
+    DevicesPerSlice,
+    /// 1.35+: `devices` and `sharedCounters` are not both set.
+    DevicesAndCounters,
+    /// 1.35+: at most 8 counter sets per slice.
+    CounterSetsPerSlice,
+    /// A counter set name (or consumesCounters `counterSet`) is a DNS label.
+    CounterSetName,
+    /// Counter set names are unique in the pool.
+    CounterSetUnique,
+    /// A counters map is not empty.
+    CountersEmpty,
+    /// A counter name is a DNS label.
+    CounterName,
+    /// 1.35+: at most 32 counters per counter set.
+    CountersPerSet,
+    /// 1.34: at most 32 counters over all counter sets of a slice.
+    SharedCountersTotal,
+    /// A quantity (capacity, counter) parses.
+    Quantity,
+    /// A device name is a DNS label.
+    DeviceName,
+    /// Device names are unique in the pool.
+    DeviceNameUnique,
+    /// Attribute and capacity names are `[domain/]identifier`.
+    AttributeName,
+    /// A device attribute holds exactly one value.
+    AttributeValue,
+    /// String and version attributes are at most 64 bytes.
+    StringLength,
+    /// Version attributes are semver 2.0.0.
+    VersionFormat,
+    /// At most 32 attributes plus capacities per device.
+    AttributeCount,
+    /// A capacity `requestPolicy` needs `allowMultipleAllocations: true`.
+    RequestPolicy,
+    /// Device-level node selection only (and exactly) with perDeviceNodeSelection.
+    DeviceNodeSelection,
+    /// Too many taints on a device.
+    TaintsPerDevice,
+    /// 1.35+: at most 2 consumesCounters entries per device, unique by counter set.
+    ConsumptionEntries,
+    /// 1.35+: at most 32 counters per consumesCounters entry.
+    CountersPerConsumption,
+    /// 1.34: at most 32 counters over all consumesCounters entries of a device.
+    DeviceCountersTotal,
+    /// 1.34: at most 1024 device counter entries per slice.
+    SliceDeviceCounters,
+    /// A consumed counter set exists (1.34: in the same slice; 1.35+: in the pool).
+    CounterSetReference,
+    /// A consumed counter exists in its counter set.
+    CounterReference,
+    /// A device consumes no more of a counter than the counter holds.
+    CounterOverdraw,
+}
+
+impl Rule {
+    /// Short kebab-case name of the rule.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SliceName => "slice-name",
+            Self::Label => "label",
+            Self::DriverName => "driver-name",
+            Self::PoolName => "pool-name",
+            Self::Generation => "generation",
+            Self::SliceCount => "resource-slice-count",
+            Self::NodeSelection => "node-selection",
+            Self::DevicesPerSlice => "devices-per-slice",
+            Self::DevicesAndCounters => "devices-and-shared-counters",
+            Self::CounterSetsPerSlice => "counter-sets-per-slice",
+            Self::CounterSetName => "counter-set-name",
+            Self::CounterSetUnique => "counter-set-unique",
+            Self::CountersEmpty => "counters-empty",
+            Self::CounterName => "counter-name",
+            Self::CountersPerSet => "counters-per-set",
+            Self::SharedCountersTotal => "shared-counters-total",
+            Self::Quantity => "quantity",
+            Self::DeviceName => "device-name",
+            Self::DeviceNameUnique => "device-name-unique",
+            Self::AttributeName => "attribute-name",
+            Self::AttributeValue => "attribute-value",
+            Self::StringLength => "string-length",
+            Self::VersionFormat => "version-format",
+            Self::AttributeCount => "attribute-count",
+            Self::RequestPolicy => "request-policy",
+            Self::DeviceNodeSelection => "device-node-selection",
+            Self::TaintsPerDevice => "taints-per-device",
+            Self::ConsumptionEntries => "consumes-counters-entries",
+            Self::CountersPerConsumption => "counters-per-consumption",
+            Self::DeviceCountersTotal => "device-counters-total",
+            Self::SliceDeviceCounters => "slice-device-counters",
+            Self::CounterSetReference => "counter-set-reference",
+            Self::CounterReference => "counter-reference",
+            Self::CounterOverdraw => "counter-overdraw",
+        }
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A ResourceSlice breaks a rule. Every variant names the slice and the rule.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ValidationError {
+    /// A slice-level field (or the slice's pool) breaks a rule.
+    #[error("ResourceSlice {slice:?}: rule {rule}: {detail}")]
+    Slice {
+        /// `metadata.name` of the slice.
+        slice: String,
+        /// The rule.
+        rule: Rule,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A device breaks a rule.
+    #[error("ResourceSlice {slice:?}, device {device:?}: rule {rule}: {detail}")]
+    Device {
+        /// `metadata.name` of the slice.
+        slice: String,
+        /// Device name.
+        device: String,
+        /// The rule.
+        rule: Rule,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A counter set breaks a rule.
+    #[error("ResourceSlice {slice:?}, counter set {counter_set:?}: rule {rule}: {detail}")]
+    CounterSet {
+        /// `metadata.name` of the slice.
+        slice: String,
+        /// Counter set name.
+        counter_set: String,
+        /// The rule.
+        rule: Rule,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl ValidationError {
+    /// The broken rule.
+    #[must_use]
+    pub fn rule(&self) -> Rule {
+        match self {
+            Self::Slice { rule, .. }
+            | Self::Device { rule, .. }
+            | Self::CounterSet { rule, .. } => *rule,
+        }
+    }
+
+    /// The slice it is about.
+    #[must_use]
+    pub fn slice(&self) -> &str {
+        match self {
+            Self::Slice { slice, .. }
+            | Self::Device { slice, .. }
+            | Self::CounterSet { slice, .. } => slice,
+        }
+    }
+}
+
+// === name syntax ===
+
+fn is_alnum_lower(b: u8) -> bool {
+    b.is_ascii_lowercase() || b.is_ascii_digit()
+}
+
+/// RFC 1123 label: `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63.
+pub(crate) fn is_dns_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= limits::DNS_LABEL
+        && is_alnum_lower(b[0])
+        && is_alnum_lower(b[b.len() - 1])
+        && b.iter().all(|&c| is_alnum_lower(c) || c == b'-')
+}
+
+/// RFC 1123 subdomain as Kubernetes checks it: labels joined by `.`, at most 253
+/// in all (Kubernetes does not check per-label length here).
+pub(crate) fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= limits::DNS_SUBDOMAIN
+        && s.split('.').all(|l| {
+            let b = l.as_bytes();
+            !b.is_empty()
+                && is_alnum_lower(b[0])
+                && is_alnum_lower(b[b.len() - 1])
+                && b.iter().all(|&c| is_alnum_lower(c) || c == b'-')
+        })
+}
+
+/// Label value: empty, or `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]`, at most 63.
+pub(crate) fn is_label_value(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.is_empty()
+        || (b.len() <= limits::LABEL_VALUE
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter()
+                .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.')))
+}
+
+fn is_label_key(s: &str) -> bool {
+    let (prefix, name) = match s.split_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, s),
+    };
+    prefix.is_none_or(is_dns_subdomain) && !name.is_empty() && is_label_value(name)
+}
+
+/// C identifier `[A-Za-z_][A-Za-z0-9_]*`, at most 32.
+fn is_c_identifier(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= limits::C_IDENTIFIER
+        && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+        && b.iter().all(|&c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+/// Why a qualified attribute/capacity name is invalid, if it is.
+fn qualified_name_problem(s: &str) -> Option<String> {
+    let mut parts = s.split('/');
+    let (domain, id) = match (parts.next(), parts.next(), parts.next()) {
+        (Some(id), None, _) => (None, id),
+        (Some(d), Some(id), None) => (Some(d), id),
+        _ => return Some("more than one '/'".into()),
+    };
+    if let Some(d) = domain
+        && (d.len() > limits::DRIVER_NAME || !is_dns_subdomain(d))
+    {
+        return Some(format!(
+            "domain {d:?} is not a DNS subdomain of at most {} characters",
+            limits::DRIVER_NAME
+        ));
+    }
+    if !is_c_identifier(id) {
+        return Some(format!(
+            "{id:?} is not a C identifier of at most {} characters",
+            limits::C_IDENTIFIER
+        ));
+    }
+    None
+}
+
+fn semver_ident_ok(id: &str, numeric_no_leading_zero: bool) -> bool {
+    !id.is_empty()
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        && !(numeric_no_leading_zero
+            && id.bytes().all(|b| b.is_ascii_digit())
+            && id.len() > 1
+            && id.starts_with('0'))
+}
+
+/// Semantic version 2.0.0: `MAJOR.MINOR.PATCH[-pre][+build]`, no leading zeros.
+pub(crate) fn is_semver(s: &str) -> bool {
+    let (rest, build) = match s.split_once('+') {
+        Some((r, b)) => (r, Some(b)),
+        None => (s, None),
+    };
+    let (core, pre) = match rest.split_once('-') {
+        Some((c, p)) => (c, Some(p)),
+        None => (rest, None),
+    };
+    let nums: Vec<&str> = core.split('.').collect();
+    nums.len() == 3
+        && nums.iter().all(|n| {
+            !n.is_empty()
+                && n.bytes().all(|b| b.is_ascii_digit())
+                && !(n.len() > 1 && n.starts_with('0'))
+        })
+        && pre.is_none_or(|p| p.split('.').all(|i| semver_ident_ok(i, true)))
+        && build.is_none_or(|b| b.split('.').all(|i| semver_ident_ok(i, false)))
+}
+
+// === validation ===
+
+/// One slice's context for error construction.
+struct Ctx<'a> {
+    slice: &'a str,
+}
+
+impl Ctx<'_> {
+    fn slice(&self, rule: Rule, detail: impl Into<String>) -> ValidationError {
+        ValidationError::Slice {
+            slice: self.slice.to_string(),
+            rule,
+            detail: detail.into(),
+        }
+    }
+    fn device(&self, device: &str, rule: Rule, detail: impl Into<String>) -> ValidationError {
+        ValidationError::Device {
+            slice: self.slice.to_string(),
+            device: device.to_string(),
+            rule,
+            detail: detail.into(),
+        }
+    }
+    fn set(&self, set: &str, rule: Rule, detail: impl Into<String>) -> ValidationError {
+        ValidationError::CounterSet {
+            slice: self.slice.to_string(),
+            counter_set: set.to_string(),
+            rule,
+            detail: detail.into(),
+        }
+    }
+}
+
+fn slice_name(s: &ResourceSlice) -> &str {
+    s.metadata.name.as_deref().unwrap_or("")
+}
+
+/// Validate slices as the API server of `layout` would, plus the cross-slice
+/// references within each pool (pools are keyed by driver and pool name; every
+/// slice of a pool must be given).
+///
+/// # Errors
+/// The first broken rule, naming the slice, the device or counter set, and the rule.
+pub fn validate_slices(
+    slices: &[ResourceSlice],
+    layout: KubeLayout,
+) -> Result<(), ValidationError> {
+    for s in slices {
+        validate_slice(s, layout)?;
+    }
+    validate_pools(slices, layout)
+}
+
+fn validate_slice(s: &ResourceSlice, layout: KubeLayout) -> Result<(), ValidationError> {
+    let name = slice_name(s);
+    let c = Ctx { slice: name };
+    if !is_dns_subdomain(name) {
+        return Err(c.slice(
+            Rule::SliceName,
+            format!("metadata.name {name:?} is not a DNS subdomain (at most 253 characters)"),
+        ));
+    }
+    for (k, v) in s.metadata.labels.iter().flatten() {
+        if !is_label_key(k) {
+            return Err(c.slice(Rule::Label, format!("label key {k:?} is invalid")));
+        }
+        if !is_label_value(v) {
+            return Err(c.slice(
+                Rule::Label,
+                format!("label {k:?} value {v:?} is not a label value (at most 63 characters)"),
+            ));
+        }
+    }
+    let spec = &s.spec;
+    let driver = spec.driver.to_ascii_lowercase();
+    if driver.len() > limits::DRIVER_NAME || !is_dns_subdomain(&driver) {
+        return Err(c.slice(
+            Rule::DriverName,
+            format!(
+                "driver {:?} is not a DNS subdomain of at most {} characters",
+                spec.driver,
+                limits::DRIVER_NAME
+            ),
+        ));
+    }
+    let pool = &spec.pool.name;
+    if pool.is_empty() || pool.len() > limits::POOL_NAME || !pool.split('/').all(is_dns_subdomain) {
+        return Err(c.slice(
+            Rule::PoolName,
+            format!(
+                "pool name {pool:?} is not DNS subdomains joined by '/' (at most {} characters)",
+                limits::POOL_NAME
+            ),
+        ));
+    }
+    if spec.pool.generation < 0 {
+        return Err(c.slice(
+            Rule::Generation,
+            format!("generation {} is negative", spec.pool.generation),
+        ));
+    }
+    if spec.pool.resource_slice_count <= 0 {
+        return Err(c.slice(
+            Rule::SliceCount,
+            format!(
+                "resourceSliceCount {} is not positive",
+                spec.pool.resource_slice_count
+            ),
+        ));
+    }
+    validate_node_selection(s, &c)?;
+
+    let devices = spec.devices.as_deref().unwrap_or(&[]);
+    let sets = spec.shared_counters.as_deref().unwrap_or(&[]);
+    let advanced = devices
+        .iter()
+        .any(|d| d.consumes_counters.is_some() || d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+    let max_devices = match layout {
+        KubeLayout::V135Plus if advanced => limits::DEVICES_PER_SLICE_ADVANCED,
+        _ => limits::DEVICES_PER_SLICE,
+    };
+    if devices.len() > max_devices {
+        return Err(c.slice(
+            Rule::DevicesPerSlice,
+            format!("{} devices, at most {max_devices} allowed", devices.len()),
+        ));
+    }
+    if layout == KubeLayout::V135Plus && spec.devices.is_some() && spec.shared_counters.is_some() {
+        return Err(c.slice(
+            Rule::DevicesAndCounters,
+            "devices and sharedCounters are both set (1.35+ puts counter sets in their own slices; use devices: None, not an empty list)",
+        ));
+    }
+    if layout == KubeLayout::V135Plus && sets.len() > limits::COUNTER_SETS_PER_SLICE {
+        return Err(c.slice(
+            Rule::CounterSetsPerSlice,
+            format!(
+                "{} counter sets, at most {} allowed",
+                sets.len(),
+                limits::COUNTER_SETS_PER_SLICE
+            ),
+        ));
+    }
+    let mut set_names = BTreeSet::new();
+    let mut total_counters = 0usize;
+    for set in sets {
+        validate_counter_set(set, layout, &c)?;
+        if !set_names.insert(set.name.as_str()) {
+            return Err(c.set(
+                &set.name,
+                Rule::CounterSetUnique,
+                "duplicate counter set name",
+            ));
+        }
+        total_counters += set.counters.len();
+    }
+    if layout == KubeLayout::V134 && total_counters > limits::SHARED_COUNTERS_PER_SLICE_V134 {
+        return Err(c.slice(
+            Rule::SharedCountersTotal,
+            format!(
+                "{total_counters} counters over all counter sets, at most {} allowed in 1.34",
+                limits::SHARED_COUNTERS_PER_SLICE_V134
+            ),
+        ));
+    }
+    let per_device = spec.per_device_node_selection == Some(true);
+    let mut device_counters = 0usize;
+    for d in devices {
+        device_counters += validate_device(d, layout, per_device, &set_names, &c)?;
+    }
+    if layout == KubeLayout::V134 && device_counters > limits::DEVICE_COUNTERS_PER_SLICE_V134 {
+        return Err(c.slice(
+            Rule::SliceDeviceCounters,
+            format!(
+                "{device_counters} device counter entries, at most {} allowed in 1.34",
+                limits::DEVICE_COUNTERS_PER_SLICE_V134
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_node_selection(s: &ResourceSlice, c: &Ctx<'_>) -> Result<(), ValidationError> {
+    let spec = &s.spec;
+    let set = [
+        spec.node_name.is_some(),
+        spec.node_selector.is_some(),
+        spec.all_nodes.is_some(),
+        spec.per_device_node_selection.is_some(),
+    ]
+    .iter()
+    .filter(|&&b| b)
+    .count();
+    if set != 1 {
+        return Err(c.slice(
+            Rule::NodeSelection,
+            format!(
+                "{set} of nodeName, nodeSelector, allNodes, perDeviceNodeSelection are set, exactly one must be"
+            ),
+        ));
+    }
+    if let Some(n) = &spec.node_name
+        && !is_dns_subdomain(n)
+    {
+        return Err(c.slice(
+            Rule::NodeSelection,
+            format!("nodeName {n:?} is not a valid node name"),
+        ));
+    }
+    if let Some(sel) = &spec.node_selector
+        && sel.node_selector_terms.len() != 1
+    {
+        return Err(c.slice(
+            Rule::NodeSelection,
+            format!(
+                "nodeSelector has {} terms, exactly one is required",
+                sel.node_selector_terms.len()
+            ),
+        ));
+    }
+    if spec.all_nodes == Some(false) || spec.per_device_node_selection == Some(false) {
+        return Err(c.slice(
+            Rule::NodeSelection,
+            "allNodes / perDeviceNodeSelection must be true when set",
+        ));
+    }
+    Ok(())
+}
+
+fn validate_counters_map<'a>(
+    counters: impl ExactSizeIterator<Item = (&'a String, &'a Counter)>,
+    err: impl Fn(Rule, String) -> ValidationError,
+) -> Result<(), ValidationError> {
+    if counters.len() == 0 {
+        return Err(err(Rule::CountersEmpty, "counters map is empty".into()));
+    }
+    for (k, v) in counters {
+        if !is_dns_label(k) {
+            return Err(err(
+                Rule::CounterName,
+                format!("counter name {k:?} is not a DNS label"),
+            ));
+        }
+        quantity::parse(&v.value)
+            .map_err(|e| err(Rule::Quantity, format!("counter {k:?}: {e}")))?;
+    }
+    Ok(())
+}
+
+fn validate_counter_set(
+    set: &CounterSet,
+    layout: KubeLayout,
+    c: &Ctx<'_>,
+) -> Result<(), ValidationError> {
+    if !is_dns_label(&set.name) {
+        return Err(c.set(
+            &set.name,
+            Rule::CounterSetName,
+            "counter set name is not a DNS label",
+        ));
+    }
+    validate_counters_map(set.counters.iter(), |r, d| c.set(&set.name, r, d))?;
+    if layout == KubeLayout::V135Plus && set.counters.len() > limits::COUNTERS_PER_SET {
+        return Err(c.set(
+            &set.name,
+            Rule::CountersPerSet,
+            format!(
+                "{} counters, at most {} allowed",
+                set.counters.len(),
+                limits::COUNTERS_PER_SET
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn attribute_values(a: &DeviceAttribute) -> usize {
+    [
+        a.bool.is_some(),
+        a.int.is_some(),
+        a.string.is_some(),
+        a.version.is_some(),
+        a.bools.is_some(),
+        a.ints.is_some(),
+        a.strings.is_some(),
+        a.versions.is_some(),
+    ]
+    .iter()
+    .filter(|&&b| b)
+    .count()
+}
+
+/// Returns the device's number of counter entries.
+fn validate_device(
+    d: &Device,
+    layout: KubeLayout,
+    per_device_selection: bool,
+    slice_sets: &BTreeSet<&str>,
+    c: &Ctx<'_>,
+) -> Result<usize, ValidationError> {
+    let name = d.name.as_str();
+    let err = |rule, detail: String| c.device(name, rule, detail);
+    if !is_dns_label(name) {
+        return Err(err(
+            Rule::DeviceName,
+            "device name is not a DNS label".into(),
+        ));
+    }
+    let attrs = d.attributes.as_ref();
+    let caps = d.capacity.as_ref();
+    for (k, a) in attrs.into_iter().flatten() {
+        if let Some(p) = qualified_name_problem(k) {
+            return Err(err(Rule::AttributeName, format!("attribute {k:?}: {p}")));
+        }
+        let n = attribute_values(a);
+        if n != 1 {
+            return Err(err(
+                Rule::AttributeValue,
+                format!("attribute {k:?} has {n} values, exactly one is required"),
+            ));
+        }
+        let strings = a
+            .string
+            .iter()
+            .chain(a.version.iter())
+            .chain(a.strings.iter().flatten())
+            .chain(a.versions.iter().flatten());
+        for s in strings {
+            if s.len() > limits::ATTRIBUTE_STRING_BYTES {
+                return Err(err(
+                    Rule::StringLength,
+                    format!(
+                        "attribute {k:?} value is {} bytes, at most {} allowed",
+                        s.len(),
+                        limits::ATTRIBUTE_STRING_BYTES
+                    ),
+                ));
+            }
+        }
+        for v in a.version.iter().chain(a.versions.iter().flatten()) {
+            if !is_semver(v) {
+                return Err(err(
+                    Rule::VersionFormat,
+                    format!("attribute {k:?} version {v:?} is not semver 2.0.0"),
+                ));
+            }
+        }
+    }
+    let multi = d.allow_multiple_allocations == Some(true);
+    for (k, cap) in caps.into_iter().flatten() {
+        if let Some(p) = qualified_name_problem(k) {
+            return Err(err(Rule::AttributeName, format!("capacity {k:?}: {p}")));
+        }
+        quantity::parse(&cap.value)
+            .map_err(|e| err(Rule::Quantity, format!("capacity {k:?}: {e}")))?;
+        if cap.request_policy.is_some() && !multi {
+            return Err(err(
+                Rule::RequestPolicy,
+                format!(
+                    "capacity {k:?} has a requestPolicy but allowMultipleAllocations is not true"
+                ),
+            ));
+        }
+    }
+    let n = attrs.map_or(0, |a| a.len()) + caps.map_or(0, |c| c.len());
+    if n > limits::ATTRIBUTES_AND_CAPACITIES {
+        return Err(err(
+            Rule::AttributeCount,
+            format!(
+                "{n} attributes and capacities, at most {} allowed",
+                limits::ATTRIBUTES_AND_CAPACITIES
+            ),
+        ));
+    }
+    let own = [
+        d.node_name.is_some(),
+        d.node_selector.is_some(),
+        d.all_nodes.is_some(),
+    ]
+    .iter()
+    .filter(|&&b| b)
+    .count();
+    if per_device_selection && own != 1 {
+        return Err(err(
+            Rule::DeviceNodeSelection,
+            format!(
+                "perDeviceNodeSelection is set, so exactly one of nodeName, nodeSelector, allNodes must be; {own} are"
+            ),
+        ));
+    }
+    if !per_device_selection && own != 0 {
+        return Err(err(
+            Rule::DeviceNodeSelection,
+            "device sets node selection but the slice does not set perDeviceNodeSelection".into(),
+        ));
+    }
+    let taints = d.taints.as_ref().map_or(0, Vec::len);
+    let max_taints = match layout {
+        KubeLayout::V134 => limits::TAINTS_V134,
+        KubeLayout::V135Plus => limits::TAINTS,
+    };
+    if taints > max_taints {
+        return Err(err(
+            Rule::TaintsPerDevice,
+            format!("{taints} taints, at most {max_taints} allowed"),
+        ));
+    }
+    let consumes = d.consumes_counters.as_deref().unwrap_or(&[]);
+    if layout == KubeLayout::V135Plus && consumes.len() > limits::CONSUMPTIONS_PER_DEVICE {
+        return Err(err(
+            Rule::ConsumptionEntries,
+            format!(
+                "{} consumesCounters entries, at most {} allowed",
+                consumes.len(),
+                limits::CONSUMPTIONS_PER_DEVICE
+            ),
+        ));
+    }
+    let mut seen = BTreeSet::new();
+    let mut total = 0usize;
+    for cc in consumes {
+        if !is_dns_label(&cc.counter_set) {
+            return Err(err(
+                Rule::CounterSetName,
+                format!(
+                    "consumed counter set {:?} is not a DNS label",
+                    cc.counter_set
+                ),
+            ));
+        }
+        if !seen.insert(cc.counter_set.as_str()) {
+            return Err(err(
+                Rule::ConsumptionEntries,
+                format!(
+                    "counter set {:?} is consumed by two entries",
+                    cc.counter_set
+                ),
+            ));
+        }
+        validate_counters_map(cc.counters.iter(), |r, detail| {
+            err(r, format!("consumes from {:?}: {detail}", cc.counter_set))
+        })?;
+        if layout == KubeLayout::V135Plus && cc.counters.len() > limits::COUNTERS_PER_CONSUMPTION {
+            return Err(err(
+                Rule::CountersPerConsumption,
+                format!(
+                    "{} counters consumed from {:?}, at most {} allowed",
+                    cc.counters.len(),
+                    cc.counter_set,
+                    limits::COUNTERS_PER_CONSUMPTION
+                ),
+            ));
+        }
+        if layout == KubeLayout::V134 && !slice_sets.contains(cc.counter_set.as_str()) {
+            return Err(err(
+                Rule::CounterSetReference,
+                format!(
+                    "consumes counter set {:?}, which is not in this slice (1.34 requires it there)",
+                    cc.counter_set
+                ),
+            ));
+        }
+        total += cc.counters.len();
+    }
+    if layout == KubeLayout::V134 && total > limits::COUNTERS_PER_DEVICE_V134 {
+        return Err(err(
+            Rule::DeviceCountersTotal,
+            format!(
+                "{total} consumed counters, at most {} allowed in 1.34",
+                limits::COUNTERS_PER_DEVICE_V134
+            ),
+        ));
+    }
+    Ok(total)
+}
+
+fn validate_pools(slices: &[ResourceSlice], _layout: KubeLayout) -> Result<(), ValidationError> {
+    let mut pools: BTreeMap<(&str, &str), Vec<&ResourceSlice>> = BTreeMap::new();
+    for s in slices {
+        pools
+            .entry((s.spec.driver.as_str(), s.spec.pool.name.as_str()))
+            .or_default()
+            .push(s);
+    }
+    for ((_, pool), members) in pools {
+        let first = members[0];
+        for s in &members {
+            let c = Ctx {
+                slice: slice_name(s),
+            };
+            if s.spec.pool.generation != first.spec.pool.generation {
+                return Err(c.slice(
+                    Rule::Generation,
+                    format!(
+                        "pool {pool:?}: generation {} differs from {} in slice {:?}",
+                        s.spec.pool.generation,
+                        first.spec.pool.generation,
+                        slice_name(first)
+                    ),
+                ));
+            }
+            if s.spec.pool.resource_slice_count != members.len() as i64 {
+                return Err(c.slice(
+                    Rule::SliceCount,
+                    format!(
+                        "pool {pool:?}: resourceSliceCount {} but {} slices given",
+                        s.spec.pool.resource_slice_count,
+                        members.len()
+                    ),
+                ));
+            }
+        }
+        // Counter sets of the pool.
+        let mut sets: BTreeMap<&str, (&str, BTreeMap<&str, Amount>)> = BTreeMap::new();
+        for s in &members {
+            for set in s.spec.shared_counters.iter().flatten() {
+                let c = Ctx {
+                    slice: slice_name(s),
+                };
+                let mut values = BTreeMap::new();
+                for (k, v) in &set.counters {
+                    let a = quantity::parse(&v.value).map_err(|e| {
+                        c.set(&set.name, Rule::Quantity, format!("counter {k:?}: {e}"))
+                    })?;
+                    values.insert(k.as_str(), a);
+                }
+                if let Some((other, _)) = sets.insert(set.name.as_str(), (slice_name(s), values)) {
+                    return Err(c.set(
+                        &set.name,
+                        Rule::CounterSetUnique,
+                        format!("pool {pool:?}: counter set also defined in slice {other:?}"),
+                    ));
+                }
+            }
+        }
+        let mut devices: BTreeMap<&str, &str> = BTreeMap::new();
+        for s in &members {
+            let c = Ctx {
+                slice: slice_name(s),
+            };
+            for d in s.spec.devices.iter().flatten() {
+                if let Some(other) = devices.insert(d.name.as_str(), slice_name(s)) {
+                    return Err(c.device(
+                        &d.name,
+                        Rule::DeviceNameUnique,
+                        format!("pool {pool:?}: device name also used in slice {other:?}"),
+                    ));
+                }
+                for cc in d.consumes_counters.iter().flatten() {
+                    let Some((_, values)) = sets.get(cc.counter_set.as_str()) else {
+                        return Err(c.device(
+                            &d.name,
+                            Rule::CounterSetReference,
+                            format!("pool {pool:?}: consumes counter set {:?}, which no slice of the pool defines", cc.counter_set),
+                        ));
+                    };
+                    for (k, v) in &cc.counters {
+                        let Some(&have) = values.get(k.as_str()) else {
+                            return Err(c.device(
+                                &d.name,
+                                Rule::CounterReference,
+                                format!("consumes counter {k:?}, which counter set {:?} does not define", cc.counter_set),
+                            ));
+                        };
+                        let want = quantity::parse(&v.value).map_err(|e| {
+                            c.device(&d.name, Rule::Quantity, format!("counter {k:?}: {e}"))
+                        })?;
+                        if want > have {
+                            return Err(c.device(
+                                &d.name,
+                                Rule::CounterOverdraw,
+                                format!(
+                                    "consumes {} of counter {k:?} in set {:?}, which holds {}",
+                                    v.value.0,
+                                    cc.counter_set,
+                                    sets[cc.counter_set.as_str()].1[k.as_str()]
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn name_syntax() {
+        assert!(is_dns_label("gpu-0-mig-1g10gb-3"));
+        assert!(!is_dns_label("gpu_0"));
+        assert!(!is_dns_label("-gpu"));
+        assert!(!is_dns_label(&"a".repeat(64)));
+        assert!(is_dns_subdomain("node-1.example.com"));
+        assert!(!is_dns_subdomain("node..x"));
+        assert!(!is_dns_subdomain("Node"));
+        assert!(is_label_value(""));
+        assert!(is_label_value("Node_1.x"));
+        assert!(!is_label_value("-x"));
+        assert!(is_label_key("app.kubernetes.io/managed-by"));
+        assert!(!is_label_key("a/b/c"));
+        assert_eq!(qualified_name_problem("productName"), None);
+        assert_eq!(
+            qualified_name_problem("resource.kubernetes.io/pciBusID"),
+            None
+        );
+        assert!(qualified_name_problem("a/b/c").is_some());
+        assert!(qualified_name_problem("1abc").is_some());
+        assert!(qualified_name_problem(&"a".repeat(33)).is_some());
+        assert!(qualified_name_problem("Bad_Domain/x").is_some());
+    }
+
+    #[test]
+    fn semver_syntax() {
+        for ok in [
+            "580.65.6",
+            "9.0.0",
+            "1.2.3-rc.1+build.7",
+            "0.0.0",
+            "1.0.0-0a",
+        ] {
+            assert!(is_semver(ok), "{ok}");
+        }
+        for bad in [
+            "580.65.06",
+            "9.0",
+            "1.2.3.4",
+            "01.2.3",
+            "1.2.3-01",
+            "1.2.3+",
+            "1.2.3-",
+            "v1.2.3",
+        ] {
+            assert!(!is_semver(bad), "{bad}");
+        }
+    }
+}

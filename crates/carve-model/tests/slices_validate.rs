@@ -1,0 +1,640 @@
+//! Every validation rule has a failing case: mutate a good set of slices, and
+//! the error names the rule, the slice and the device or counter set.
+
+use std::collections::BTreeMap;
+
+use carve_model::slices::{
+    GpuPolicy, KubeLayout, NodeGpu, Rule, SliceOptions, build_slices, simulated_node,
+    validate_slices,
+};
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, Counter, CounterSet, Device, DeviceAttribute, DeviceCounterConsumption,
+    DeviceTaint, ResourceSlice,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+fn good(layout: KubeLayout, gpus: u32) -> Vec<ResourceSlice> {
+    let gpus: Vec<NodeGpu> = simulated_node("h100-80gb", gpus)
+        .unwrap()
+        .into_iter()
+        .map(|gpu| NodeGpu {
+            gpu,
+            policy: GpuPolicy::Dynamic,
+        })
+        .collect();
+    let s = build_slices(&gpus, &SliceOptions::new("node-a", layout)).unwrap();
+    validate_slices(&s, layout).unwrap();
+    s
+}
+
+/// 1.35+: [counters-0 (2 sets), devices-00 (52 devices)].
+fn v135() -> Vec<ResourceSlice> {
+    let s = good(KubeLayout::V135Plus, 2);
+    assert_eq!(s.len(), 2);
+    s
+}
+
+/// 1.34: [devices-00 (gpu 0,1), devices-01 (gpu 2,3)].
+fn v134() -> Vec<ResourceSlice> {
+    let s = good(KubeLayout::V134, 4);
+    assert_eq!(s.len(), 2);
+    s
+}
+
+fn q(s: &str) -> Quantity {
+    Quantity(s.into())
+}
+
+fn dev(s: &mut [ResourceSlice], slice: usize, k: usize) -> &mut Device {
+    &mut s[slice].spec.devices.as_mut().unwrap()[k]
+}
+
+fn set(s: &mut [ResourceSlice], slice: usize, k: usize) -> &mut CounterSet {
+    &mut s[slice].spec.shared_counters.as_mut().unwrap()[k]
+}
+
+fn consumption(d: &mut Device) -> &mut DeviceCounterConsumption {
+    &mut d.consumes_counters.as_mut().unwrap()[0]
+}
+
+fn attrs(d: &mut Device) -> &mut BTreeMap<String, DeviceAttribute> {
+    d.attributes.as_mut().unwrap()
+}
+
+/// Apply `f` to good slices; expect `rule`, reported for slice number
+/// `slice`, with `subject` (device / counter set / field) in the message.
+fn expect(
+    layout: KubeLayout,
+    f: impl FnOnce(&mut Vec<ResourceSlice>),
+    rule: Rule,
+    slice: usize,
+    subject: &str,
+) {
+    let mut s = match layout {
+        KubeLayout::V134 => v134(),
+        KubeLayout::V135Plus => v135(),
+    };
+    let name = s[slice].metadata.name.clone().unwrap();
+    f(&mut s);
+    let e = validate_slices(&s, layout).expect_err(&format!("{rule} not detected"));
+    assert_eq!(e.rule(), rule, "{e}");
+    let msg = e.to_string();
+    if rule != Rule::SliceName {
+        assert_eq!(e.slice(), name, "{msg}");
+    }
+    assert!(msg.contains(subject), "{msg:?} does not name {subject:?}");
+    assert!(
+        msg.contains(rule.as_str()),
+        "{msg:?} does not name the rule"
+    );
+}
+
+const V135: KubeLayout = KubeLayout::V135Plus;
+const V134: KubeLayout = KubeLayout::V134;
+
+#[test]
+fn slice_level_rules() {
+    expect(
+        V135,
+        |s| s[1].metadata.name = Some("Bad_Name".into()),
+        Rule::SliceName,
+        1,
+        "Bad_Name",
+    );
+    expect(
+        V135,
+        |s| {
+            s[1].metadata
+                .labels
+                .as_mut()
+                .unwrap()
+                .insert("gpu.carve.dev/node".into(), "x".repeat(64));
+        },
+        Rule::Label,
+        1,
+        "gpu.carve.dev/node",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.driver = "x".repeat(64),
+        Rule::DriverName,
+        0,
+        "xxxx",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.driver = "gpu_carve".into(),
+        Rule::DriverName,
+        0,
+        "gpu_carve",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.pool.name = "a//b".into(),
+        Rule::PoolName,
+        0,
+        "a//b",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.pool.name = "p".repeat(254),
+        Rule::PoolName,
+        0,
+        "ppp",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.pool.generation = -1,
+        Rule::Generation,
+        0,
+        "-1",
+    );
+    expect(
+        V135,
+        |s| s[1].spec.pool.generation = 5,
+        Rule::Generation,
+        1,
+        "differs",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.pool.resource_slice_count = 0,
+        Rule::SliceCount,
+        0,
+        "not positive",
+    );
+    expect(
+        V135,
+        |s| {
+            s.iter_mut()
+                .for_each(|x| x.spec.pool.resource_slice_count = 3)
+        },
+        Rule::SliceCount,
+        0,
+        "2 slices given",
+    );
+    expect(
+        V135,
+        |s| {
+            s.pop();
+        },
+        Rule::SliceCount,
+        0,
+        "1 slices given",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.node_name = None,
+        Rule::NodeSelection,
+        0,
+        "0 of nodeName",
+    );
+    expect(
+        V135,
+        |s| s[1].spec.all_nodes = Some(true),
+        Rule::NodeSelection,
+        1,
+        "2 of nodeName",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.node_name = Some("Bad Node".into()),
+        Rule::NodeSelection,
+        0,
+        "Bad Node",
+    );
+    expect(
+        V135,
+        |s| {
+            s[0].spec.node_name = None;
+            s[0].spec.all_nodes = Some(false);
+        },
+        Rule::NodeSelection,
+        0,
+        "must be true",
+    );
+}
+
+#[test]
+fn device_count_and_layout_rules() {
+    expect(
+        V135,
+        |s| {
+            let ds = s[1].spec.devices.as_mut().unwrap();
+            for k in 0..13 {
+                let mut d = ds[k].clone();
+                d.name = format!("extra-{k}");
+                ds.push(d);
+            }
+        },
+        Rule::DevicesPerSlice,
+        1,
+        "65 devices, at most 64",
+    );
+    expect(
+        V135,
+        |s| s[0].spec.devices = Some(vec![]),
+        Rule::DevicesAndCounters,
+        0,
+        "both set",
+    );
+    expect(
+        V135,
+        |s| {
+            let sets = s[0].spec.shared_counters.as_mut().unwrap();
+            for k in 0..7 {
+                let mut c = sets[0].clone();
+                c.name = format!("extra-{k}");
+                sets.push(c);
+            }
+        },
+        Rule::CounterSetsPerSlice,
+        0,
+        "9 counter sets",
+    );
+}
+
+#[test]
+fn counter_set_rules() {
+    expect(
+        V135,
+        |s| set(s, 0, 0).name = "Gpu_0".into(),
+        Rule::CounterSetName,
+        0,
+        "Gpu_0",
+    );
+    expect(
+        V135,
+        |s| set(s, 0, 1).name = "gpu-0-counters".into(),
+        Rule::CounterSetUnique,
+        0,
+        "gpu-0-counters",
+    );
+    expect(
+        V135,
+        |s| set(s, 0, 0).counters.clear(),
+        Rule::CountersEmpty,
+        0,
+        "gpu-0-counters",
+    );
+    expect(
+        V135,
+        |s| {
+            set(s, 0, 1)
+                .counters
+                .insert("Bad_Counter".into(), Counter { value: q("1") });
+        },
+        Rule::CounterName,
+        0,
+        "Bad_Counter",
+    );
+    expect(
+        V135,
+        |s| {
+            let c = &mut set(s, 0, 0).counters;
+            for k in 0..18 {
+                c.insert(format!("extra-{k}"), Counter { value: q("1") });
+            }
+        },
+        Rule::CountersPerSet,
+        0,
+        "33 counters",
+    );
+    expect(
+        V135,
+        |s| set(s, 0, 0).counters.get_mut("memory").unwrap().value = q("1x"),
+        Rule::Quantity,
+        0,
+        "\"1x\"",
+    );
+    expect(
+        V134,
+        |s| {
+            let c = &mut set(s, 1, 0).counters;
+            for k in 0..3 {
+                c.insert(format!("extra-{k}"), Counter { value: q("1") });
+            }
+        },
+        Rule::SharedCountersTotal,
+        1,
+        "33 counters",
+    );
+}
+
+#[test]
+fn device_attribute_and_capacity_rules() {
+    expect(
+        V135,
+        |s| dev(s, 1, 0).name = "GPU-0".into(),
+        Rule::DeviceName,
+        1,
+        "GPU-0",
+    );
+    expect(
+        V135,
+        |s| dev(s, 1, 5).name = dev(s, 1, 4).name.clone(),
+        Rule::DeviceNameUnique,
+        1,
+        "-mig-1g10gb-",
+    );
+    expect(
+        V135,
+        |s| {
+            attrs(dev(s, 1, 3)).insert(
+                "a/b/c".into(),
+                DeviceAttribute {
+                    int: Some(1),
+                    ..Default::default()
+                },
+            );
+        },
+        Rule::AttributeName,
+        1,
+        "a/b/c",
+    );
+    expect(
+        V135,
+        |s| {
+            attrs(dev(s, 1, 3)).insert(
+                "x".repeat(33),
+                DeviceAttribute {
+                    int: Some(1),
+                    ..Default::default()
+                },
+            );
+        },
+        Rule::AttributeName,
+        1,
+        "not a C identifier",
+    );
+    expect(
+        V135,
+        |s| attrs(dev(s, 1, 3)).get_mut("index").unwrap().string = Some("0".into()),
+        Rule::AttributeValue,
+        1,
+        "\"index\" has 2 values",
+    );
+    expect(
+        V135,
+        |s| {
+            attrs(dev(s, 1, 3)).insert("empty".into(), DeviceAttribute::default());
+        },
+        Rule::AttributeValue,
+        1,
+        "has 0 values",
+    );
+    expect(
+        V135,
+        |s| attrs(dev(s, 1, 2)).get_mut("productName").unwrap().string = Some("p".repeat(65)),
+        Rule::StringLength,
+        1,
+        "65 bytes",
+    );
+    expect(
+        V135,
+        |s| {
+            attrs(dev(s, 1, 2))
+                .get_mut("driverVersion")
+                .unwrap()
+                .version = Some("580.65.06".into())
+        },
+        Rule::VersionFormat,
+        1,
+        "580.65.06",
+    );
+    expect(
+        V135,
+        |s| {
+            let a = attrs(dev(s, 1, 2));
+            for k in 0..16 {
+                a.insert(
+                    format!("extra{k}"),
+                    DeviceAttribute {
+                        bool: Some(true),
+                        ..Default::default()
+                    },
+                );
+            }
+        },
+        Rule::AttributeCount,
+        1,
+        "33 attributes and capacities",
+    );
+    expect(
+        V135,
+        |s| {
+            dev(s, 1, 2)
+                .capacity
+                .as_mut()
+                .unwrap()
+                .get_mut("memory")
+                .unwrap()
+                .value = q("lots")
+        },
+        Rule::Quantity,
+        1,
+        "capacity \"memory\"",
+    );
+    expect(
+        V135,
+        |s| {
+            dev(s, 1, 2)
+                .capacity
+                .as_mut()
+                .unwrap()
+                .get_mut("memory")
+                .unwrap()
+                .request_policy = Some(CapacityRequestPolicy {
+                default: Some(q("1Gi")),
+                ..Default::default()
+            });
+        },
+        Rule::RequestPolicy,
+        1,
+        "allowMultipleAllocations",
+    );
+    // With allowMultipleAllocations the same policy is fine.
+    let mut s = v135();
+    let d = dev(&mut s, 1, 2);
+    d.allow_multiple_allocations = Some(true);
+    d.capacity
+        .as_mut()
+        .unwrap()
+        .get_mut("memory")
+        .unwrap()
+        .request_policy = Some(CapacityRequestPolicy {
+        default: Some(q("1Gi")),
+        ..Default::default()
+    });
+    validate_slices(&s, V135).unwrap();
+    expect(
+        V135,
+        |s| dev(s, 1, 2).node_name = Some("node-a".into()),
+        Rule::DeviceNodeSelection,
+        1,
+        "perDeviceNodeSelection",
+    );
+    let taint = DeviceTaint {
+        key: "k".into(),
+        effect: "NoSchedule".into(),
+        ..Default::default()
+    };
+    let t = taint.clone();
+    expect(
+        V135,
+        move |s| dev(s, 1, 2).taints = Some(vec![t; 17]),
+        Rule::TaintsPerDevice,
+        1,
+        "17 taints",
+    );
+    expect(
+        V134,
+        move |s| dev(s, 0, 2).taints = Some(vec![taint; 5]),
+        Rule::TaintsPerDevice,
+        0,
+        "5 taints",
+    );
+}
+
+#[test]
+fn counter_consumption_rules() {
+    expect(
+        V135,
+        |s| {
+            let d = dev(s, 1, 1);
+            let mut extra = d.consumes_counters.as_ref().unwrap()[0].clone();
+            extra.counter_set = "gpu-1-counters".into();
+            let mut third = extra.clone();
+            third.counter_set = "gpu-2-counters".into();
+            d.consumes_counters.as_mut().unwrap().extend([extra, third]);
+        },
+        Rule::ConsumptionEntries,
+        1,
+        "3 consumesCounters entries",
+    );
+    expect(
+        V135,
+        |s| {
+            let d = dev(s, 1, 1);
+            let again = d.consumes_counters.as_ref().unwrap()[0].clone();
+            d.consumes_counters.as_mut().unwrap().push(again);
+        },
+        Rule::ConsumptionEntries,
+        1,
+        "consumed by two entries",
+    );
+    expect(
+        V135,
+        |s| {
+            let c = &mut consumption(dev(s, 1, 1)).counters;
+            for k in 0..30 {
+                c.insert(format!("extra-{k}"), Counter { value: q("1") });
+            }
+        },
+        Rule::CountersPerConsumption,
+        1,
+        "at most 32",
+    );
+    expect(
+        V135,
+        |s| consumption(dev(s, 1, 1)).counters.clear(),
+        Rule::CountersEmpty,
+        1,
+        "gpu-0-mig",
+    );
+    expect(
+        V135,
+        |s| consumption(dev(s, 1, 1)).counter_set = "Gpu-0".into(),
+        Rule::CounterSetName,
+        1,
+        "Gpu-0",
+    );
+    expect(
+        V135,
+        |s| consumption(dev(s, 1, 1)).counter_set = "gpu-9-counters".into(),
+        Rule::CounterSetReference,
+        1,
+        "gpu-9-counters",
+    );
+    expect(
+        V135,
+        |s| {
+            consumption(dev(s, 1, 1))
+                .counters
+                .insert("memory-slice-9".into(), Counter { value: q("1") });
+        },
+        Rule::CounterReference,
+        1,
+        "memory-slice-9",
+    );
+    expect(
+        V135,
+        |s| {
+            consumption(dev(s, 1, 1))
+                .counters
+                .insert("compute-slices".into(), Counter { value: q("8") });
+        },
+        Rule::CounterOverdraw,
+        1,
+        "compute-slices",
+    );
+    expect(
+        V135,
+        |s| {
+            consumption(dev(s, 1, 1))
+                .counters
+                .insert("memory".into(), Counter { value: q("100Gi") });
+        },
+        Rule::CounterOverdraw,
+        1,
+        "100Gi",
+    );
+    // 1.34: the set must be in the same slice.
+    expect(
+        V134,
+        |s| consumption(dev(s, 0, 1)).counter_set = "gpu-2-counters".into(),
+        Rule::CounterSetReference,
+        0,
+        "not in this slice",
+    );
+    expect(
+        V134,
+        |s| {
+            let c = &mut consumption(dev(s, 0, 1)).counters;
+            for k in 0..30 {
+                c.insert(format!("extra-{k}"), Counter { value: q("1") });
+            }
+        },
+        Rule::DeviceCountersTotal,
+        0,
+        "at most 32",
+    );
+    expect(
+        V134,
+        |s| {
+            for d in s[0].spec.devices.as_mut().unwrap() {
+                let c = &mut consumption(d).counters;
+                for k in 0..20 {
+                    c.insert(format!("extra-{k}"), Counter { value: q("1") });
+                }
+                while c.len() > 20 {
+                    let first = c.keys().next().unwrap().clone();
+                    c.remove(&first);
+                }
+            }
+        },
+        Rule::SliceDeviceCounters,
+        0,
+        "1040 device counter entries",
+    );
+}
+
+#[test]
+fn the_same_slices_differ_by_layout() {
+    // A 1.34 slice (counters with devices) is invalid on 1.35+, and a 1.35+
+    // device slice (sets elsewhere) is invalid on 1.34.
+    let e = validate_slices(&v134(), V135).unwrap_err();
+    assert_eq!(e.rule(), Rule::DevicesAndCounters);
+    let e = validate_slices(&v135(), V134).unwrap_err();
+    assert_eq!(e.rule(), Rule::CounterSetReference);
+}

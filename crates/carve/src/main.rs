@@ -5,6 +5,7 @@
 
 mod advise;
 mod render;
+mod slices;
 
 use std::process::ExitCode;
 
@@ -29,6 +30,8 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Print exactly the ResourceSlices carve would publish for a simulated node.
+    Slices(slices::SlicesArgs),
     /// List the built-in GPU models (simulator fixtures) and their MIG profiles.
     Models,
     /// Run the Kubernetes API-server stand-in (resource.k8s.io/v1 slices, claims,
@@ -49,7 +52,7 @@ struct ApiserverArgs {
 }
 
 /// Parse `1.35` (or `v1.35`, `1.35.2`) into a version.
-fn parse_kube_version(s: &str) -> Result<carve_apiserver::KubeVersion, String> {
+pub(crate) fn parse_kube_version(s: &str) -> Result<carve_apiserver::KubeVersion, String> {
     let t = s.trim_start_matches('v');
     let mut it = t.split('.');
     let major = it.next().and_then(|m| m.parse().ok());
@@ -106,6 +109,10 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
     match cmd {
         Command::Models => {
             print!("{}", models_table());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Slices(a) => {
+            print!("{}", slices::run(&a)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Apiserver(a) => {

@@ -1,0 +1,86 @@
+{{/*
+Helpers shared by the templates. The chart keeps to a small subset of Helm's
+template functions (include, default, quote, toYaml, toJson, nindent, indent,
+fail, printf, contains, hasPrefix, list, trunc, trimSuffix) so that e2e/tests/deploy_manifests.rs can
+render it without a helm binary.
+*/}}
+
+{{- define "carve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "carve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "carve.serviceAccountName" -}}
+{{- default (include "carve.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "carve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "carve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: kubelet-plugin
+{{- end -}}
+
+{{- define "carve.labels" -}}
+app.kubernetes.io/name: {{ include "carve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "carve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+carve.validate fails the render on value combinations that cannot work.
+values.schema.json rejects the same combinations; this is the second line for
+`helm template --skip-schema-validation` and for messages that name the fix.
+*/}}
+{{- define "carve.validate" -}}
+{{- if and .Values.mps.enabled (not .Values.mps.controlBinary) -}}
+{{- fail "mps.enabled is true but mps.controlBinary is empty: set it to the path of nvidia-cuda-mps-control inside the container, or set mps.enabled=false" -}}
+{{- end -}}
+{{- if and .Values.mps.enabled (not .Values.kubeletPlugin.privileged) -}}
+{{- fail "mps.enabled is true but kubeletPlugin.privileged is false: MPS needs privileged (compute-mode changes on the GPU device files and Bidirectional mount propagation of the MPS shm tmpfs)" -}}
+{{- end -}}
+{{- if and .Values.nvml.simulator.enabled (not .Values.nvml.lib) -}}
+{{- fail "nvml.simulator.enabled is true but nvml.lib is empty: set nvml.lib to the simulator library, e.g. /opt/carve/libnvidia_ml_sim.so" -}}
+{{- end -}}
+{{- if .Values.nvml.simulator.enabled -}}
+{{- if not .Values.nvml.simulator.config.procRoot -}}
+{{- fail "nvml.simulator.enabled is true but nvml.simulator.config.procRoot is empty: give the simulator's configuration (nodeName, gpus, stateFile, procRoot)" -}}
+{{- end -}}
+{{- range $key := list "stateFile" "procRoot" -}}
+{{- if not (hasPrefix "/var/lib/carve/" (index $.Values.nvml.simulator.config $key | default "")) -}}
+{{- fail (printf "nvml.simulator.config.%s must lie under /var/lib/carve/, the plugin's only writable directory" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne .Values.kubeletPlugin.procDriverNvidia .Values.nvml.simulator.config.procRoot -}}
+{{- fail (printf "kubeletPlugin.procDriverNvidia (%s) differs from nvml.simulator.config.procRoot (%s): the plugin must read the simulator's capability files" .Values.kubeletPlugin.procDriverNvidia .Values.nvml.simulator.config.procRoot) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not .Values.nvml.simulator.enabled) (not .Values.kubeletPlugin.privileged) -}}
+{{- fail "kubeletPlugin.privileged is false without nvml.simulator.enabled: creating MIG instances through the real NVML needs a privileged container" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The --mig-policy value: "<default>[,<gpu index>=<policy>...]". */}}
+{{- define "carve.migPolicy" -}}
+{{- .Values.migPolicy.default -}}
+{{- range .Values.migPolicy.perGpu -}}
+{{- printf ",%v=%s" .gpu .policy -}}
+{{- end -}}
+{{- end -}}

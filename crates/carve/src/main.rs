@@ -4,6 +4,7 @@
 //! uses `anyhow`.
 
 mod advise;
+mod explain;
 mod render;
 mod slices;
 
@@ -32,6 +33,8 @@ enum LogFormat {
 enum Command {
     /// Print exactly the ResourceSlices carve would publish for a simulated node.
     Slices(slices::SlicesArgs),
+    /// Say which devices a claim would get, or why it does not fit and what would make it fit.
+    Explain(explain::ExplainArgs),
     /// List the built-in GPU models (simulator fixtures) and their MIG profiles.
     Models,
     /// Run the Kubernetes API-server stand-in (resource.k8s.io/v1 slices, claims,
@@ -114,6 +117,11 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Slices(a) => {
             print!("{}", slices::run(&a)?);
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Explain(a) => {
+            let (text, fits) = explain::run(&a)?;
+            print!("{text}");
+            Ok(if fits { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         Command::Apiserver(a) => {
             let rt = tokio::runtime::Runtime::new()?;

@@ -1,0 +1,140 @@
+//! `carve explain`: run the offline allocator on one claim against a node's
+//! slices and print the allocation, or why it does not fit.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
+use carve_alloc::{Allocator, Inputs, Object};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+/// The DeviceClasses carve ships (the same file the Helm chart's classes are checked against).
+pub const DEVICE_CLASSES: &str = include_str!("../../../examples/deviceclasses.yaml");
+
+#[derive(Debug, clap::Args)]
+pub struct ExplainArgs {
+    /// The ResourceClaim (YAML; the first ResourceClaim in the file is explained).
+    pub claim: PathBuf,
+    /// Multi-document YAML with the ResourceSlices, DeviceClasses and already-allocated
+    /// ResourceClaims to explain against.
+    #[arg(long, conflicts_with = "simulate_gpus")]
+    pub slices: Option<PathBuf>,
+    /// Explain against an empty simulated node with these GPUs (`model:count,...`).
+    #[arg(long, default_value = "h100-80gb:2")]
+    pub simulate_gpus: String,
+    /// Node name (defaults to the node of the first slice).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Print the explanation as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn embedded_classes() -> anyhow::Result<Vec<Object>> {
+    Ok(carve_alloc::parse_yaml_documents(Path::new("<built-in deviceclasses.yaml>"), DEVICE_CLASSES)?)
+}
+
+/// Build the allocator inputs and the claim; returns (text, fits).
+pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
+    let claim_objs = carve_alloc::load_yaml_documents(&args.claim)?;
+    let claim: ResourceClaim = claim_objs
+        .into_iter()
+        .find_map(|o| match o {
+            Object::Claim(c) => Some(c),
+            _ => None,
+        })
+        .with_context(|| format!("{}: no ResourceClaim in the file", args.claim.display()))?;
+    let mut objects = match &args.slices {
+        Some(p) => carve_alloc::load_yaml_documents(p)?,
+        None => {
+            let sargs = crate::slices::SlicesArgs {
+                gpus: args.simulate_gpus.clone(),
+                kube_version: carve_apiserver::KubeVersion::default(),
+                node: args.node.clone().unwrap_or_else(|| "sim-node".into()),
+                order: crate::slices::Order::Carve,
+                output: crate::slices::Output::Yaml,
+            };
+            crate::slices::build(&sargs)?.into_iter().map(Object::Slice).collect()
+        }
+    };
+    if !objects.iter().any(|o| matches!(o, Object::Class(_))) {
+        objects.extend(embedded_classes()?);
+    }
+    let (inputs, _unallocated) = Inputs::from_objects(objects);
+    let node = match &args.node {
+        Some(n) => n.clone(),
+        None => inputs
+            .slices
+            .iter()
+            .find_map(|s| s.spec.node_name.clone())
+            .context("no slice names a node: pass --node")?,
+    };
+    if inputs.slices.is_empty() {
+        bail!("no ResourceSlices to explain against");
+    }
+    let alloc = Allocator::new(&inputs)?;
+    let name = claim.metadata.name.clone().unwrap_or_default();
+    match alloc.allocate(&claim, &node) {
+        Ok(result) => {
+            let mut out = format!("claim {name} fits on node {node}:\n");
+            for r in result.devices.iter().flat_map(|d| d.results.iter().flatten()) {
+                let _ = write!(out, "  request {:<12} -> {} (pool {})", r.request, r.device, r.pool);
+                if let Some(c) = &r.consumed_capacity {
+                    let caps: Vec<String> = c.iter().map(|(k, v)| format!("{k}={}", v.0)).collect();
+                    let _ = write!(out, "  consumes {}", caps.join(" "));
+                }
+                out.push('\n');
+            }
+            Ok((out, true))
+        }
+        Err(carve_alloc::AllocError::Unsatisfiable(expl)) => {
+            let text = if args.json { serde_json::to_string_pretty(&expl)? + "\n" } else { expl.to_string() };
+            Ok((text, false))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    fn args(claim: PathBuf, gpus: &str) -> ExplainArgs {
+        ExplainArgs { claim, slices: None, simulate_gpus: gpus.into(), node: None, json: false }
+    }
+
+    const CLAIM_7G: &str = "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: big\n  namespace: default\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig.gpu.carve.dev\n        count: 3\n        selectors:\n        - cel:\n            expression: device.attributes[\"gpu.carve.dev\"].profile == \"7g.80gb\"\n";
+
+    #[test]
+    fn example_claim_fits_on_the_simulated_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let claim = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/mig-1g/claim.yaml");
+        let (text, fits) = run(&args(claim, "h100-80gb:1")).unwrap();
+        assert!(fits, "{text}");
+        assert!(text.contains("gpu-0-mig-1g10gb-"), "{text}");
+        drop(dir);
+    }
+
+    #[test]
+    fn too_many_full_gpus_do_not_fit_and_say_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let claim = write(dir.path(), "c.yaml", CLAIM_7G);
+        let (text, fits) = run(&args(claim, "h100-80gb:2")).unwrap();
+        assert!(!fits);
+        assert!(text.contains("does not fit"), "{text}");
+    }
+
+    #[test]
+    fn a_file_without_a_claim_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(dir.path(), "x.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: x\n");
+        let e = run(&args(p.clone(), "h100-80gb:1")).unwrap_err();
+        assert!(format!("{e:#}").contains("x.yaml"), "{e:#}");
+    }
+}

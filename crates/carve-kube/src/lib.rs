@@ -1,1 +1,20 @@
-//! carve-kube
+//! Publishes carve's ResourceSlices to the Kubernetes API server.
+//!
+//! [`SlicePublisher`] makes the slices of one driver on one node equal to a
+//! desired set (built by `carve_model::slices`), bumping pool generations only
+//! when something changed and writing nothing otherwise. [`server_version`]
+//! reads the server's minor version to pick the slice layout.
+//!
+//! This crate does not build slices, watch anything or run a control loop: the
+//! caller decides when to call [`SlicePublisher::sync`].
+
+#[cfg(feature = "bench")]
+pub mod bench;
+pub mod error;
+pub mod plan;
+pub mod publish;
+pub mod version;
+
+pub use error::{PublishError, Verb};
+pub use publish::{ConflictRetry, SlicePublisher, SyncReport};
+pub use version::{parse_version, server_version};

@@ -1,0 +1,341 @@
+//! [`SlicePublisher`]: makes this node's ResourceSlices of one driver match a
+//! desired set, with the fewest writes.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+
+use crate::error::{PublishError, Verb, api_code};
+use crate::plan::{Step, plan, validate_desired};
+
+/// How often and how patiently [`SlicePublisher::sync`] retries after a 409
+/// Conflict (a concurrent writer changed or created a slice between the list
+/// and the write).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConflictRetry {
+    /// Sync passes in all (the first one included); at least 1.
+    pub attempts: u32,
+    /// Wait before the second pass; doubled for every further pass.
+    pub initial_backoff: Duration,
+    /// Upper bound of one wait.
+    pub max_backoff: Duration,
+}
+
+impl Default for ConflictRetry {
+    /// 5 passes, waiting 20, 40, 80 and 160 ms in between.
+    fn default() -> Self {
+        Self {
+            attempts: 5,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+impl ConflictRetry {
+    fn backoff(&self, failed_passes: u32) -> Duration {
+        let factor = 1u32
+            .checked_shl(failed_passes.saturating_sub(1))
+            .unwrap_or(u32::MAX);
+        self.initial_backoff
+            .saturating_mul(factor)
+            .min(self.max_backoff)
+    }
+}
+
+/// What one [`SlicePublisher::sync`] did. Counts are successful writes, summed
+/// over all passes when a conflict forced a re-read.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[must_use]
+pub struct SyncReport {
+    /// Slices created (POST).
+    pub created: usize,
+    /// Slices replaced (PUT with the observed resourceVersion).
+    pub updated: usize,
+    /// Slices deleted (stale names, other pools of this node, renamed pools).
+    pub deleted: usize,
+    /// Desired slices that already existed with the same content: no write.
+    pub unchanged: usize,
+    /// The highest pool generation of the desired slices after the sync; `None`
+    /// when nothing is desired. With one pool per node this is that pool's.
+    pub generation: Option<i64>,
+    /// The generation of every desired pool after the sync.
+    pub generations: BTreeMap<String, i64>,
+    /// How many passes were restarted after a 409 Conflict.
+    pub conflicts: u32,
+}
+
+impl SyncReport {
+    /// Creates + updates + deletes.
+    pub fn writes(&self) -> usize {
+        self.created + self.updated + self.deleted
+    }
+}
+
+/// Publishes the ResourceSlices of one driver on one node.
+///
+/// It keeps no state between calls: every [`sync`](Self::sync) lists what the
+/// API server has, so a freshly constructed publisher (after a restart) makes no
+/// write when nothing changed. Only slices whose `spec.driver` and
+/// `spec.nodeName` are this publisher's are ever written or deleted.
+pub struct SlicePublisher {
+    client: Client,
+    node_name: String,
+    driver: String,
+    retry: ConflictRetry,
+}
+
+impl fmt::Debug for SlicePublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlicePublisher")
+            .field("node_name", &self.node_name)
+            .field("driver", &self.driver)
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why one pass of a sync stopped.
+enum PassError {
+    /// A 409 (or a slice that vanished before its update): list again and retry.
+    Conflict {
+        verb: Verb,
+        slice: String,
+        source: kube::Error,
+    },
+    /// Anything else: give up.
+    Fatal(PublishError),
+}
+
+impl SlicePublisher {
+    /// A publisher of `driver`'s slices on `node_name`, with [`ConflictRetry::default`].
+    pub fn new(client: Client, node_name: impl Into<String>, driver: impl Into<String>) -> Self {
+        Self {
+            client,
+            node_name: node_name.into(),
+            driver: driver.into(),
+            retry: ConflictRetry::default(),
+        }
+    }
+
+    /// Replaces the conflict retry policy (`attempts` below 1 counts as 1).
+    pub fn with_conflict_retry(mut self, retry: ConflictRetry) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The node whose slices this publisher owns.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// The driver whose slices this publisher owns.
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    fn api(&self) -> Api<ResourceSlice> {
+        Api::all(self.client.clone())
+    }
+
+    /// The slices of this driver on this node as the API server has them now.
+    ///
+    /// Uses the field selector `spec.nodeName=<node>,spec.driver=<driver>` and
+    /// filters the answer again, so a server that ignores the selector cannot make
+    /// the publisher touch another node's or driver's slices.
+    pub async fn existing(&self) -> Result<Vec<ResourceSlice>, PublishError> {
+        let selector = format!(
+            "spec.nodeName={},spec.driver={}",
+            self.node_name, self.driver
+        );
+        let api = self.api();
+        let mut params = ListParams::default().fields(&selector).limit(500);
+        let mut out = Vec::new();
+        loop {
+            let list = api
+                .list(&params)
+                .await
+                .map_err(|source| PublishError::List {
+                    node: self.node_name.clone(),
+                    driver: self.driver.clone(),
+                    source,
+                })?;
+            out.extend(list.items.into_iter().filter(|s| {
+                s.spec.driver == self.driver
+                    && s.spec.node_name.as_deref() == Some(self.node_name.as_str())
+            }));
+            match list.metadata.continue_ {
+                Some(token) if !token.is_empty() => params = params.continue_token(&token),
+                _ => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes the slices of this driver on this node equal to `desired` (as built
+    /// by `carve_model::slices::build_slices`).
+    ///
+    /// `desired` is checked first (names, driver, node, `resourceSliceCount`);
+    /// a bad set is rejected before any write. Then the existing slices are
+    /// listed and compared with [`crate::plan::content`] (server-set metadata and
+    /// `spec.pool.generation` are ignored): an unchanged set costs no write. A
+    /// changed pool gets its generation bumped once and all its slices written;
+    /// stale slices are deleted last (see [`crate::plan::plan`] for why that
+    /// order is safe). The `spec.pool.generation` of `desired` is ignored.
+    ///
+    /// On 409 Conflict the pass stops, the slices are listed again and the pass
+    /// is redone, up to [`ConflictRetry::attempts`] passes with backoff; then
+    /// [`PublishError::Conflict`] names the slice. Any other API error stops the
+    /// sync at once with [`PublishError::Api`] naming the verb and slice; the
+    /// next sync starts from what the server then has.
+    pub async fn sync(&mut self, desired: Vec<ResourceSlice>) -> Result<SyncReport, PublishError> {
+        validate_desired(&desired, &self.node_name, &self.driver)?;
+        let attempts = self.retry.attempts.max(1);
+        let mut report = SyncReport::default();
+        let mut pass = 1;
+        loop {
+            match self.pass(&desired, &mut report).await {
+                Ok(()) => return Ok(report),
+                Err(PassError::Fatal(e)) => return Err(e),
+                Err(PassError::Conflict {
+                    verb,
+                    slice,
+                    source,
+                }) => {
+                    if pass >= attempts {
+                        return Err(PublishError::Conflict {
+                            verb,
+                            slice,
+                            attempts: pass,
+                            source,
+                        });
+                    }
+                    let wait = self.retry.backoff(pass);
+                    tracing::info!(
+                        node = %self.node_name, slice = %slice, %verb, pass,
+                        wait_ms = wait.as_millis() as u64,
+                        "ResourceSlice write conflicted; listing again"
+                    );
+                    report.conflicts += 1;
+                    pass += 1;
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    async fn pass(
+        &self,
+        desired: &[ResourceSlice],
+        report: &mut SyncReport,
+    ) -> Result<(), PassError> {
+        let existing = self.existing().await.map_err(PassError::Fatal)?;
+        let plan = plan(&existing, desired);
+        report.unchanged = plan.unchanged;
+        report.generation = plan.generations.values().copied().max();
+        report.generations = plan.generations;
+        let api = self.api();
+        for step in plan.steps {
+            match step {
+                Step::Create(slice) => {
+                    let name = slice.metadata.name.clone().unwrap_or_default();
+                    match api.create(&PostParams::default(), &slice).await {
+                        Ok(_) => report.created += 1,
+                        Err(e) => return Err(classify(Verb::Create, name, e, false)),
+                    }
+                    tracing::debug!(node = %self.node_name, slice = %name, generation = slice.spec.pool.generation, "created ResourceSlice");
+                }
+                Step::Update(slice) => {
+                    let name = slice.metadata.name.clone().unwrap_or_default();
+                    match api.replace(&name, &PostParams::default(), &slice).await {
+                        Ok(_) => report.updated += 1,
+                        // Deleted since the list: re-list and create it.
+                        Err(e) => return Err(classify(Verb::Update, name, e, true)),
+                    }
+                    tracing::debug!(node = %self.node_name, slice = %name, generation = slice.spec.pool.generation, "updated ResourceSlice");
+                }
+                Step::Delete(name) => {
+                    match api.delete(&name, &DeleteParams::default()).await {
+                        Ok(_) => report.deleted += 1,
+                        // Already gone: that is what we wanted.
+                        Err(e) if api_code(&e) == Some(404) => {}
+                        Err(e) => return Err(classify(Verb::Delete, name, e, false)),
+                    }
+                    tracing::debug!(node = %self.node_name, slice = %name, "deleted ResourceSlice");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes every slice of this driver on this node (uninstall, or shutdown
+    /// of a node agent that takes its devices with it). Returns how many were
+    /// deleted; slices already gone are not counted and are no error.
+    pub async fn delete_all(&self) -> Result<usize, PublishError> {
+        let api = self.api();
+        let mut deleted = 0;
+        for slice in self.existing().await? {
+            let name = slice.metadata.name.unwrap_or_default();
+            match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => deleted += 1,
+                Err(e) if api_code(&e) == Some(404) => {}
+                Err(source) => {
+                    return Err(PublishError::Api {
+                        verb: Verb::Delete,
+                        slice: name,
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+/// 409 is a conflict to retry after a re-list; with `missing_is_conflict`, 404
+/// too. Everything else is fatal.
+fn classify(
+    verb: Verb,
+    slice: String,
+    source: kube::Error,
+    missing_is_conflict: bool,
+) -> PassError {
+    match api_code(&source) {
+        Some(409) => PassError::Conflict {
+            verb,
+            slice,
+            source,
+        },
+        Some(404) if missing_is_conflict => PassError::Conflict {
+            verb,
+            slice,
+            source,
+        },
+        _ => PassError::Fatal(PublishError::Api {
+            verb,
+            slice,
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let r = ConflictRetry {
+            attempts: 10,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(50),
+        };
+        let waits: Vec<u128> = (1..=5).map(|p| r.backoff(p).as_millis()).collect();
+        assert_eq!(waits, [10, 20, 40, 50, 50]);
+        assert_eq!(r.backoff(200), Duration::from_millis(50));
+    }
+}

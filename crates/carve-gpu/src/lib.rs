@@ -76,6 +76,37 @@ pub struct GpuInstanceInfo {
     pub compute_instances: Vec<ComputeInstanceInfo>,
 }
 
+/// Compute mode of a GPU or MIG device (`nvmlComputeMode_t`). MPS wants
+/// [`ComputeMode::ExclusiveProcess`]. On Linux it resets to `Default` with the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ComputeMode {
+    /// Several contexts per device.
+    Default,
+    /// No contexts.
+    Prohibited,
+    /// One context (process) per device, e.g. the MPS server.
+    ExclusiveProcess,
+}
+
+/// What a compute-mode call addresses: with MIG enabled NVML accepts only MIG
+/// devices (one per compute instance), otherwise only the whole GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ComputeTarget {
+    /// A whole GPU by index.
+    Gpu(u32),
+    /// The MIG device of compute instance `ci` in GPU instance `gi` of `gpu`.
+    Mig {
+        /// GPU index.
+        gpu: u32,
+        /// GPU-instance id.
+        gi: u32,
+        /// Compute-instance id.
+        ci: u32,
+    },
+}
+
 /// What a caller should do with an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Disposition {
@@ -228,13 +259,22 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// [`BackendError::InsufficientResources`] when the placement is occupied.
-    fn create_gpu_instance(&self, gpu: u32, profile_id: u32, placement: Placement) -> Result<GpuInstanceInfo, BackendError>;
+    fn create_gpu_instance(
+        &self,
+        gpu: u32,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<GpuInstanceInfo, BackendError>;
 
     /// Create the compute instance that spans the whole GPU instance `gi`.
     ///
     /// # Errors
     /// NVML failures.
-    fn create_compute_instance(&self, gpu: u32, gi: u32) -> Result<ComputeInstanceInfo, BackendError>;
+    fn create_compute_instance(
+        &self,
+        gpu: u32,
+        gi: u32,
+    ) -> Result<ComputeInstanceInfo, BackendError>;
 
     /// Destroy a compute instance.
     ///
@@ -254,5 +294,28 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// The file is missing or unreadable.
-    fn capability_minor(&self, gpu_minor: u32, gi: u32, ci: Option<u32>) -> Result<u32, BackendError>;
+    fn capability_minor(
+        &self,
+        gpu_minor: u32,
+        gi: u32,
+        ci: Option<u32>,
+    ) -> Result<u32, BackendError>;
+
+    /// Compute mode of a whole GPU or a MIG device.
+    ///
+    /// # Errors
+    /// [`BackendError::NotSupported`] for a whole GPU in MIG mode,
+    /// [`BackendError::NotFound`] for a missing GPU or compute instance.
+    fn compute_mode(&self, target: ComputeTarget) -> Result<ComputeMode, BackendError>;
+
+    /// Set the compute mode of a whole GPU or a MIG device (takes effect now;
+    /// not kept across a GPU reset).
+    ///
+    /// # Errors
+    /// As [`GpuBackend::compute_mode`]; [`BackendError::NoPermission`] when not root.
+    fn set_compute_mode(
+        &self,
+        target: ComputeTarget,
+        mode: ComputeMode,
+    ) -> Result<(), BackendError>;
 }

@@ -485,10 +485,7 @@ impl MpsDeviceSpec {
             }
         }
         let capacity = BTreeMap::from([
-            (
-                MEMORY.to_string(),
-                range_capacity(mem, quantity::mebibytes),
-            ),
+            (MEMORY.to_string(), range_capacity(mem, quantity::mebibytes)),
             (
                 MULTIPROCESSORS.to_string(),
                 range_capacity(sm, quantity::int),
@@ -626,12 +623,11 @@ pub fn translate(
 ) -> Result<MpsLimits, SharingError> {
     let (mem, sm) = device.ranges()?;
     let get = |capacity: &'static str, unit: u64, range: ShareRange, unit_name| {
-        let q = consumed(consumed_capacity, capacity).ok_or_else(|| {
-            SharingError::MissingCapacity {
+        let q =
+            consumed(consumed_capacity, capacity).ok_or_else(|| SharingError::MissingCapacity {
                 device: device.name.clone(),
                 capacity,
-            }
-        })?;
+            })?;
         let a = quantity::parse(q).map_err(|source| SharingError::Quantity {
             device: device.name.clone(),
             capacity,
@@ -686,7 +682,9 @@ pub fn check_request_policy(name: &str, cap: &DeviceCapacity) -> Result<(), Shar
     let default = match &p.default {
         Some(d) => q(d)?,
         None if p.valid_values.is_some() || p.valid_range.is_some() => {
-            return Err(bad("default is required with validValues or validRange".into()));
+            return Err(bad(
+                "default is required with validValues or validRange".into()
+            ));
         }
         None => return Ok(()),
     };
@@ -892,14 +890,14 @@ mod tests {
         let total = d.multiprocessors;
         // (memory, SMs) -> (MiB, SMs)
         let table: &[(&str, &str, u64, u32)] = &[
-            ("0", "0", 1024, 2),               // below min: min
-            ("1", "1", 1024, 2),               // one byte: min
-            ("1Gi", "2", 1024, 2),             // exactly min
-            ("1025Mi", "3", 1280, 4),          // just above: next step
-            ("1280Mi", "4", 1280, 4),          // on a step
-            ("1.5Gi", "5", 1536, 6),           // fractional suffix
-            ("1073741825", "2500m", 1280, 4),  // bytes, milli SMs
-            ("10G", "16", 9728, 16),           // decimal suffix: 9536.7 MiB -> 9728
+            ("0", "0", 1024, 2),              // below min: min
+            ("1", "1", 1024, 2),              // one byte: min
+            ("1Gi", "2", 1024, 2),            // exactly min
+            ("1025Mi", "3", 1280, 4),         // just above: next step
+            ("1280Mi", "4", 1280, 4),         // on a step
+            ("1.5Gi", "5", 1536, 6),          // fractional suffix
+            ("1073741825", "2500m", 1280, 4), // bytes, milli SMs
+            ("10G", "16", 9728, 16),          // decimal suffix: 9536.7 MiB -> 9728
         ];
         for &(m, s, want_mib, want_sm) in table {
             let l = translate(&cc(m, s), &d).unwrap_or_else(|e| panic!("{m} {s}: {e}"));
@@ -916,7 +914,10 @@ mod tests {
         let over = format!("{}Mi", mem.max + 1);
         assert!(matches!(
             translate(&cc(&over, "2"), &d),
-            Err(SharingError::BeyondDevice { capacity: MEMORY, .. })
+            Err(SharingError::BeyondDevice {
+                capacity: MEMORY,
+                ..
+            })
         ));
         assert!(matches!(
             translate(&cc("1Gi", &(total + 1).to_string()), &d),
@@ -1040,13 +1041,34 @@ mod tests {
         check_request_policy("x", &ok).unwrap();
         for (why, c) in [
             ("no default", cap("10", pol(None, range("2", None, None)))),
-            ("max > value", cap("10", pol(Some("2"), range("2", Some("12"), None)))),
-            ("min > value", cap("10", pol(Some("12"), range("12", None, None)))),
-            ("step off", cap("10", pol(Some("2"), range("2", Some("9"), Some("2"))))),
-            ("default off", cap("10", pol(Some("3"), range("2", None, Some("2"))))),
-            ("min+step", cap("10", pol(Some("8"), range("8", None, Some("4"))))),
-            ("zero step", cap("10", pol(Some("2"), range("2", None, Some("0"))))),
-            ("default < min", cap("10", pol(Some("1"), range("2", None, None)))),
+            (
+                "max > value",
+                cap("10", pol(Some("2"), range("2", Some("12"), None))),
+            ),
+            (
+                "min > value",
+                cap("10", pol(Some("12"), range("12", None, None))),
+            ),
+            (
+                "step off",
+                cap("10", pol(Some("2"), range("2", Some("9"), Some("2")))),
+            ),
+            (
+                "default off",
+                cap("10", pol(Some("3"), range("2", None, Some("2")))),
+            ),
+            (
+                "min+step",
+                cap("10", pol(Some("8"), range("8", None, Some("4")))),
+            ),
+            (
+                "zero step",
+                cap("10", pol(Some("2"), range("2", None, Some("0")))),
+            ),
+            (
+                "default < min",
+                cap("10", pol(Some("1"), range("2", None, None))),
+            ),
             (
                 "values not containing default",
                 cap(
@@ -1071,7 +1093,10 @@ mod tests {
             ),
         ] {
             assert!(
-                matches!(check_request_policy("x", &c), Err(SharingError::Policy { .. })),
+                matches!(
+                    check_request_policy("x", &c),
+                    Err(SharingError::Policy { .. })
+                ),
                 "{why}"
             );
         }
@@ -1090,7 +1115,13 @@ mod tests {
         ));
         g.spec.memory_mib = 1024;
         let e = MpsDeviceSpec::whole(&g, CAPS).unwrap_err();
-        assert!(matches!(e, SharingError::TooSmall { capacity: MEMORY, .. }));
+        assert!(matches!(
+            e,
+            SharingError::TooSmall {
+                capacity: MEMORY,
+                ..
+            }
+        ));
         assert!(e.to_string().contains("gpu-0-mps"));
     }
 

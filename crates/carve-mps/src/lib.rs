@@ -1,0 +1,27 @@
+//! The CUDA MPS side of carve's GPU sharing: detect what the node's MPS and
+//! cgroup setup enforce ([`detect`]), supervise one `nvidia-cuda-mps-control`
+//! daemon per shared whole GPU or MIG instance ([`MpsControl`]: start with its
+//! own pipe and log directories, adopt across plugin restarts, restart and
+//! re-apply limits after a crash, `quit` after the last claim), turn each
+//! claim share's limits into v2 commands or v3 namespaces bound to the pod
+//! cgroup, and describe the share's container edits ([`ShareEdits`]).
+//!
+//! Not here: the device descriptions and `consumedCapacity` translation
+//! (`carve_model::sharing`), writing CDI files, GPU compute mode (NVML), MIG
+//! instance creation and the checkpoint (`carve-plugin`). Blocking code; call
+//! it from `spawn_blocking`.
+//!
+//! The `carve-fake-mps-control` binary stands in for `nvidia-cuda-mps-control`
+//! in tests: it speaks v2 stdin commands and the v3 verbs of [`control::v3`],
+//! records what it gets, and crashes on request.
+
+pub mod cdi;
+pub mod control;
+pub mod detect;
+pub mod error;
+mod proc;
+
+pub use cdi::{CONTAINER_PIPE_DIR, Mount, ShareEdits, share_cdi_name};
+pub use control::{ClientSpec, DaemonIdentity, Ensure, MpsControl, MpsTarget, PID_FILE, Protocol};
+pub use detect::{MpsConfig, ProtocolChoice, Support, detect, detect_cgroup};
+pub use error::MpsError;

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use carve_apiserver::{ApiServer, Options};
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, SliceError, SliceOptions, ValidationError, build_slices,
-    simulated_node, validate_slices,
+    GpuPolicy, KubeLayout, NodeGpu, SliceError, SliceOptions, build_slices,
+    simulated_node,
 };
 
 use crate::{PublishError, SlicePublisher};
@@ -57,8 +57,6 @@ pub struct SliceBench {
     pub iterations: u32,
     /// Build + validate time per round.
     pub total: Percentiles,
-    /// The build part alone (the rest is validation).
-    pub build: Percentiles,
     /// API writes of the first publish (one create per slice expected).
     pub first_publish_writes: u64,
     /// API writes of a fresh publisher syncing the same set (target 0).
@@ -133,12 +131,6 @@ impl fmt::Display for SliceBench {
         )?;
         writeln!(
             f,
-            "  of which build: p50 {:.3} ms, p99 {:.3} ms",
-            ms(self.build.p50),
-            ms(self.build.p99),
-        )?;
-        writeln!(
-            f,
             "first publish: {} API writes (one per slice)",
             self.first_publish_writes
         )?;
@@ -167,17 +159,6 @@ pub enum BenchError {
         #[source]
         source: SliceError,
     },
-    /// The built slices do not validate.
-    #[error("validate the slices of {gpus}x {model}")]
-    Validate {
-        /// GPU model key.
-        model: String,
-        /// GPU count.
-        gpus: u32,
-        /// The broken rule.
-        #[source]
-        source: ValidationError,
-    },
     /// The API server stand-in did not start.
     #[error("start the API server stand-in")]
     Server(#[source] carve_apiserver::Error),
@@ -205,34 +186,19 @@ pub async fn run(options: SliceBenchOptions) -> Result<SliceBench, BenchError> {
         })
         .collect();
     let slice_opts = SliceOptions::new(NODE, options.layout);
-    let build_only = || build_slices(&gpus, &slice_opts).map_err(build_err);
-    let validate = |slices: &[_]| {
-        validate_slices(slices, options.layout).map_err(|source| BenchError::Validate {
-            model: options.model.clone(),
-            gpus: options.gpus,
-            source,
-        })
-    };
-    let build = || -> Result<_, BenchError> {
-        let slices = build_only()?;
-        validate(&slices)?;
-        Ok(slices)
-    };
+    // `build_slices` validates every slice it returns (`validate_slices`), so
+    // one call is the whole "build and validate" unit of work.
+    let build = || build_slices(&gpus, &slice_opts).map_err(build_err);
 
     let iterations = options.iterations.max(1);
     let mut totals = Vec::with_capacity(iterations as usize);
-    let mut builds = Vec::with_capacity(iterations as usize);
     let mut slices = Vec::new();
     for _ in 0..iterations {
         let start = Instant::now();
-        slices = std::hint::black_box(build_only()?);
-        let built = start.elapsed();
-        validate(std::hint::black_box(&slices))?;
+        slices = std::hint::black_box(build()?);
         totals.push(start.elapsed());
-        builds.push(built);
     }
     let total = Percentiles::of(totals);
-    let build_only_times = Percentiles::of(builds);
     let devices = slices
         .iter()
         .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
@@ -262,7 +228,6 @@ pub async fn run(options: SliceBenchOptions) -> Result<SliceBench, BenchError> {
         devices,
         iterations,
         total,
-        build: build_only_times,
         first_publish_writes,
         restart_writes: stats.writes,
         restart_requests: stats.requests,

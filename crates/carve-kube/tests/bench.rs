@@ -19,7 +19,6 @@ async fn bench_counts_writes_and_prints_targets() {
     assert_eq!(figures.restart_writes, 0);
     assert_eq!(figures.restart_requests, 1);
     assert!(figures.total.p50 <= figures.total.p99 && figures.total.p99 <= figures.total.max);
-    assert!(figures.build.p50 <= figures.total.max);
     let text = figures.to_string();
     assert!(text.contains("8x h200-141gb"), "{text}");
     assert!(text.contains("target p99 <= 1.000 ms"), "{text}");

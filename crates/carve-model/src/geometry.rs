@@ -152,6 +152,22 @@ impl<'a> Occupancy<'a> {
         self.instances.is_empty()
     }
 
+    /// Whether `inst` could be placed now, without saying why (no allocation:
+    /// the hot path of layout enumeration and stranded-slice math).
+    #[must_use]
+    pub fn fits(&self, inst: Instance) -> bool {
+        let Some(p) = self.spec.profiles.get(inst.profile) else {
+            return false;
+        };
+        let Some(pl) = p.placements.iter().find(|pl| pl.start == inst.start) else {
+            return false;
+        };
+        pl.mask() & self.mem_mask == 0
+            && p.compute_slices <= self.free_compute_slices()
+            && self.per_profile[inst.profile] < p.max_instances
+            && !(p.media_extensions && self.media_used)
+    }
+
     /// Whether `inst` could be placed now.
     ///
     /// # Errors
@@ -213,13 +229,18 @@ impl<'a> Occupancy<'a> {
     /// Why it cannot be placed; the occupancy is unchanged then.
     pub fn place(&mut self, inst: Instance) -> Result<(), Conflict> {
         self.check(inst)?;
+        self.place_unchecked(inst);
+        Ok(())
+    }
+
+    /// Place an instance already known to fit (see [`Self::fits`]).
+    fn place_unchecked(&mut self, inst: Instance) {
         let p = &self.spec.profiles[inst.profile];
         self.mem_mask |= Placement::new(inst.start, p.memory_slices).mask();
         self.compute_used += p.compute_slices;
         self.per_profile[inst.profile] += 1;
         self.media_used |= p.media_extensions;
         self.instances.push(inst);
-        Ok(())
     }
 
     /// Remove `inst`; returns whether it was there. Frees exactly its slices.
@@ -251,7 +272,7 @@ impl<'a> Occupancy<'a> {
                         profile: pi,
                         start: pl.start,
                     })
-                    .filter(|&i| self.check(i).is_ok())
+                    .filter(|&i| self.fits(i))
             })
     }
 
@@ -296,10 +317,19 @@ fn max_extra_compute(o: &mut Occupancy<'_>, from: usize, extra: u8, best: &mut u
         return;
     }
     let cands = candidates(o.spec);
+    max_extra_rec(o, &cands, from, extra, best);
+}
+
+fn max_extra_rec(o: &mut Occupancy<'_>, cands: &[Instance], from: usize, extra: u8, best: &mut u8) {
+    *best = (*best).max(extra);
+    if *best == o.free_compute_slices() + extra {
+        return;
+    }
     for (k, &c) in cands.iter().enumerate().skip(from) {
-        if o.place(c).is_ok() {
+        if o.fits(c) {
+            o.place_unchecked(c);
             let cs = o.spec.profiles[c.profile].compute_slices;
-            max_extra_compute(o, k + 1, extra + cs, best);
+            max_extra_rec(o, cands, k + 1, extra + cs, best);
             o.remove(c);
         }
     }
@@ -314,7 +344,8 @@ pub fn layouts(spec: &GpuSpec) -> Vec<Layout> {
     let mut o = Occupancy::new(spec);
     fn rec(o: &mut Occupancy<'_>, cands: &[Instance], from: usize, out: &mut Vec<Layout>) {
         for k in from..cands.len() {
-            if o.place(cands[k]).is_ok() {
+            if o.fits(cands[k]) {
+                o.place_unchecked(cands[k]);
                 let mut l = o.instances().to_vec();
                 l.sort();
                 out.push(l);
@@ -346,16 +377,19 @@ impl Totals {
     /// Sum over the instances of a layout.
     #[must_use]
     pub fn of(spec: &GpuSpec, layout: &[Instance]) -> Self {
-        layout.iter().fold(Self::default(), |t, i| {
-            let p = &spec.profiles[i.profile];
-            Self {
-                memory_slices: t.memory_slices + u32::from(p.memory_slices),
-                compute_slices: t.compute_slices + u32::from(p.compute_slices),
-                multiprocessors: t.multiprocessors + p.multiprocessors,
-                memory_mib: t.memory_mib + p.memory_mib,
-                engines: t.engines.plus(p.engines),
-            }
-        })
+        layout.iter().fold(Self::default(), |t, i| t.plus(&spec.profiles[i.profile]))
+    }
+
+    /// These totals plus one instance of `p`.
+    #[must_use]
+    pub fn plus(self, p: &crate::spec::MigProfile) -> Self {
+        Self {
+            memory_slices: self.memory_slices + u32::from(p.memory_slices),
+            compute_slices: self.compute_slices + u32::from(p.compute_slices),
+            multiprocessors: self.multiprocessors + p.multiprocessors,
+            memory_mib: self.memory_mib + p.memory_mib,
+            engines: self.engines.plus(p.engines),
+        }
     }
 
     /// Component-wise maximum.
@@ -375,9 +409,20 @@ impl Totals {
 /// counter needs so that it never forbids a layout the hardware allows.
 #[must_use]
 pub fn max_layout_totals(spec: &GpuSpec) -> Totals {
-    layouts(spec)
-        .iter()
-        .fold(Totals::default(), |acc, l| acc.max(Totals::of(spec, l)))
+    fn rec(o: &mut Occupancy<'_>, cands: &[Instance], from: usize, cur: Totals, best: &mut Totals) {
+        *best = best.max(cur);
+        for (k, &c) in cands.iter().enumerate().skip(from) {
+            if o.fits(c) {
+                o.place_unchecked(c);
+                rec(o, cands, k + 1, cur.plus(&o.spec.profiles[c.profile]), best);
+                o.remove(c);
+            }
+        }
+    }
+    let cands = candidates(spec);
+    let mut best = Totals::default();
+    rec(&mut Occupancy::new(spec), &cands, 0, Totals::default(), &mut best);
+    best
 }
 
 #[cfg(test)]

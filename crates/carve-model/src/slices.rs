@@ -28,7 +28,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::geometry::{Conflict, Instance, Occupancy, Totals, max_layout_totals};
 use crate::names::{DeviceName, NameError};
-use crate::order::{DeviceOrder, carve_device_key, nvidia_device_name, placement_order};
+use crate::order::{DeviceOrder, nvidia_device_name, placement_order};
 use crate::spec::{GpuSpec, PhysicalGpu, SpecError};
 
 pub use quantity::{Amount, QuantityError, parse_quantity};
@@ -610,6 +610,11 @@ fn plan(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<Planned>, SliceError
     for (gi, g) in gpus.iter().enumerate() {
         let index = g.gpu.index;
         let spec = &g.gpu.spec;
+        // carve_rank is per profile, not per device: compute it once per GPU.
+        let ranks: Vec<Vec<u8>> = match order {
+            DeviceOrder::Carve => (0..spec.profiles.len()).map(|p| crate::order::carve_rank(spec, p)).collect(),
+            DeviceOrder::FirstFit | DeviceOrder::Name => Vec::new(),
+        };
         for kind in gpu_units(g, order)? {
             let (key, nvidia_name, name) = match kind {
                 Kind::Whole => (
@@ -622,7 +627,12 @@ fn plan(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<Planned>, SliceError
                     let name = DeviceName::mig(index, &p.name, start)
                         .map_err(|source| SliceError::ProfileName { gpu: index, source })?;
                     let policy = match order {
-                        DeviceOrder::Carve => carve_device_key(spec, profile, index, start),
+                        // Same key as `order::carve_device_key`, with the rank cached.
+                        DeviceOrder::Carve => (
+                            crate::order::placement_tier(spec, profile, crate::spec::Placement::new(start, p.memory_slices)),
+                            index,
+                            ranks[profile].iter().position(|&s| s == start).unwrap_or(usize::MAX),
+                        ),
                         DeviceOrder::FirstFit | DeviceOrder::Name => (0, index, usize::from(start)),
                     };
                     (
@@ -633,7 +643,11 @@ fn plan(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<Planned>, SliceError
                             p.name.clone(),
                             policy,
                         ),
-                        nvidia_device_name(spec, index, profile, start),
+                        if order == DeviceOrder::Name {
+                            nvidia_device_name(spec, index, profile, start)
+                        } else {
+                            String::new()
+                        },
                         name,
                     )
                 }
@@ -1113,13 +1127,14 @@ pub fn build_slices(
                     },
                 ));
             }
-            let all: Vec<Device> = devices.into_iter().map(|(_, d)| d).collect();
-            for chunk in all.chunks(MAX_DEVICES_PER_SLICE) {
+            // Move (not clone) the devices into chunks of at most 64.
+            let mut rest = devices.into_iter().map(|(_, d)| d).peekable();
+            while rest.peek().is_some() {
                 buckets.push((
                     "devices",
                     Bucket {
                         sets: Vec::new(),
-                        devices: chunk.to_vec(),
+                        devices: rest.by_ref().take(MAX_DEVICES_PER_SLICE).collect(),
                     },
                 ));
             }

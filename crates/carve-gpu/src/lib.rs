@@ -5,9 +5,18 @@
 //! Calls are blocking (NVML is a blocking C library); async callers wrap them in
 //! `spawn_blocking`. Implementations are passed in explicitly, never chosen by
 //! `cfg!(test)`.
+//!
+//! Health events are a separate trait, [`GpuEvents`]; their value types
+//! ([`GpuEvent`], [`EventKind`]) live in the pure `carve_model::health` and are
+//! re-exported here.
 
+use std::time::Duration;
+
+use carve_model::health::LiveInstance;
 use carve_model::{Architecture, MigProfile, Placement};
 use serde::{Deserialize, Serialize};
+
+pub use carve_model::health::{EventKind, GpuEvent};
 
 /// Current and pending MIG mode of a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,6 +227,14 @@ impl BackendError {
             _ => Disposition::Fatal,
         }
     }
+
+    /// Whether NVML reported `NVML_ERROR_GPU_IS_LOST` (code 15: the GPU fell
+    /// off the bus or is otherwise inaccessible), for
+    /// `carve_model::health::HealthState::observe_gpu`.
+    #[must_use]
+    pub fn is_gpu_lost(&self) -> bool {
+        matches!(self, Self::Nvml { code: 15, .. })
+    }
 }
 
 /// The operations carve needs from the GPUs of a node.
@@ -318,4 +335,95 @@ pub trait GpuBackend: Send + Sync + std::fmt::Debug {
         target: ComputeTarget,
         mode: ComputeMode,
     ) -> Result<(), BackendError>;
+}
+
+/// Health events of the node's GPUs (XID, single- and double-bit ECC), kept
+/// apart from [`GpuBackend`] so that watching never blocks MIG operations.
+pub trait GpuEvents: Send + Sync + std::fmt::Debug {
+    /// Wait up to `timeout` for events and return those that arrived (empty on
+    /// timeout), in arrival order. The first call starts watching every GPU; a
+    /// GPU that cannot be watched is reported once, by an
+    /// [`EventKind::Unmonitored`] event returned at once, and never again.
+    /// Events that happen before watching starts are not delivered.
+    ///
+    /// # Errors
+    /// NVML failures while starting to watch (nothing stays registered; a later
+    /// call tries again) or while waiting.
+    fn wait_events(&self, timeout: Duration) -> Result<Vec<GpuEvent>, BackendError>;
+}
+
+/// The live instances of one GPU with the MIG device each occupies, for
+/// `carve_model::health::HealthState::apply`. `profiles` are the GPU's
+/// profiles ([`GpuBackend::profiles`]).
+///
+/// # Errors
+/// [`BackendError::Inconsistent`] naming the GPU, instance and profile id when
+/// an instance has a profile id not in `profiles` or one without a device name.
+pub fn live_instances(
+    instances: &[GpuInstanceInfo],
+    profiles: &[MigProfile],
+) -> Result<Vec<LiveInstance>, BackendError> {
+    instances
+        .iter()
+        .map(|gi| {
+            let bad = |why: String| BackendError::Inconsistent {
+                gpu: gi.gpu,
+                reason: format!("GPU instance {}: {why}", gi.id),
+            };
+            let p = profiles
+                .iter()
+                .find(|p| p.id == gi.profile_id)
+                .ok_or_else(|| bad(format!("unknown profile id {}", gi.profile_id)))?;
+            LiveInstance::new(gi.gpu, gi.id, &p.name, gi.placement.start)
+                .map_err(|e| bad(e.to_string()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use carve_model::{DeviceName, GpuModel};
+
+    #[test]
+    fn only_nvml_code_15_is_gpu_lost() {
+        let e = |code| BackendError::Nvml {
+            call: "nvmlDeviceGetMigMode",
+            code,
+            what: "GPU 0".into(),
+        };
+        assert!(e(15).is_gpu_lost());
+        assert!(!e(999).is_gpu_lost());
+        assert!(
+            !BackendError::NoSuch {
+                what: "GPU 0".into()
+            }
+            .is_gpu_lost()
+        );
+    }
+
+    #[test]
+    fn live_instances_name_their_mig_device_or_the_bad_profile_id() {
+        let spec = GpuModel::find("h100-80gb").unwrap().spec();
+        let p = spec.profile("1g.10gb").unwrap();
+        let gi = |id, profile_id, start| GpuInstanceInfo {
+            gpu: 3,
+            id,
+            profile_id,
+            placement: Placement::new(start, 1),
+            compute_instances: Vec::new(),
+        };
+        let live = live_instances(&[gi(2, p.id, 5)], &spec.profiles).unwrap();
+        assert_eq!(live[0].gi, 2);
+        assert_eq!(
+            live[0].device,
+            "gpu-3-mig-1g10gb-5".parse::<DeviceName>().unwrap()
+        );
+        let e = live_instances(&[gi(2, p.id, 5), gi(4, 999, 0)], &spec.profiles).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("GPU 3") && msg.contains("GPU instance 4") && msg.contains("999"),
+            "{msg}"
+        );
+    }
 }

@@ -59,6 +59,10 @@ pub struct SimConfig {
     /// (whether real drivers do is unverified).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attributes_mig_only: bool,
+    /// GPU indexes that do not support events: `nvmlDeviceGetSupportedEventTypes`
+    /// reports none and `nvmlDeviceRegisterEvents` fails with `NOT_SUPPORTED`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events_unsupported: Vec<u32>,
 }
 
 fn default_driver_version() -> String {
@@ -163,6 +167,17 @@ pub enum SimError {
         /// Model keys from the configuration.
         expected: Vec<String>,
     },
+    /// A line of the injected-events file is not an event.
+    #[error("{path}: line at byte offset {offset}: {source}")]
+    BadEvent {
+        /// The events file.
+        path: PathBuf,
+        /// Byte offset of the line.
+        offset: u64,
+        /// The parse error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A GPU index does not exist.
     #[error("{path}: no GPU {gpu}")]
     NoSuchGpu {
@@ -186,6 +201,7 @@ impl SimConfig {
             faults: Vec::new(),
             corrupt_profile: None,
             attributes_mig_only: false,
+            events_unsupported: Vec::new(),
         }
     }
 

@@ -15,8 +15,8 @@ use nvml_wrapper_sys::bindings as nv;
 
 use crate::config::{CONFIG_ENV, FaultAction, SIDECAR_SUFFIX};
 use crate::sim::{
-    E_DRIVER_NOT_LOADED, E_INSUFFICIENT_SIZE, E_INVALID_ARGUMENT, E_NOT_SUPPORTED, E_UNINITIALIZED,
-    E_VERSION_MISMATCH, Handle, Ret, SUCCESS, Sim,
+    E_DRIVER_NOT_LOADED, E_INSUFFICIENT_SIZE, E_INVALID_ARGUMENT, E_NOT_SUPPORTED, E_TIMEOUT,
+    E_UNINITIALIZED, E_VERSION_MISMATCH, Handle, Ret, SUCCESS, Sim,
 };
 
 static SIM: Mutex<Option<Sim>> = Mutex::new(None);
@@ -44,6 +44,16 @@ fn api(name: &str, f: impl FnOnce(&mut Sim) -> Result<(), Ret>) -> Ret {
         std::process::abort();
     }
     r.err().unwrap_or(SUCCESS)
+}
+
+/// Run `f` on the initialised simulator without counting a call (the later
+/// polls of one `nvmlEventSetWait_v2`).
+fn api_uncounted(f: impl FnOnce(&mut Sim) -> Result<(), Ret>) -> Ret {
+    let mut g = lock();
+    let Some(sim) = g.as_mut() else {
+        return E_UNINITIALIZED;
+    };
+    f(sim).err().unwrap_or(SUCCESS)
 }
 
 fn handle<T>(p: *mut T) -> Result<Handle, Ret> {
@@ -221,6 +231,8 @@ pub extern "C" fn nvmlErrorString(result: nv::nvmlReturn_t) -> *const c_char {
         6 => c"Not Found",
         7 => c"Insufficient Size",
         9 => c"Driver Not Loaded",
+        10 => c"Timeout",
+        15 => c"GPU is lost",
         16 => c"GPU requires reset",
         19 => c"In use by another client",
         23 => c"Insufficient resources",
@@ -870,6 +882,103 @@ pub extern "C" fn nvmlDeviceGetComputeInstanceId(
             _ => Err(E_NOT_SUPPORTED),
         }
     })
+}
+
+fn event_set(p: nv::nvmlEventSet_t) -> Result<u64, Ret> {
+    match handle(p)? {
+        Handle::EventSet(s) => Ok(s),
+        _ => Err(E_INVALID_ARGUMENT),
+    }
+}
+
+/// `nvmlDeviceGetSupportedEventTypes`: SBE, DBE and XID, or none for a GPU in
+/// `eventsUnsupported`.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetSupportedEventTypes(
+    device: nv::nvmlDevice_t,
+    event_types: *mut c_ulonglong,
+) -> nv::nvmlReturn_t {
+    api("nvmlDeviceGetSupportedEventTypes", |s| {
+        let t = s.supported_event_types(handle(device)?)?;
+        put(event_types, t)
+    })
+}
+
+/// `nvmlEventSetCreate`: the set sees events injected from now on.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlEventSetCreate(set: *mut nv::nvmlEventSet_t) -> nv::nvmlReturn_t {
+    api("nvmlEventSetCreate", |s| {
+        if set.is_null() {
+            return Err(E_INVALID_ARGUMENT);
+        }
+        let id = s.create_event_set();
+        put(set, to_ptr(Handle::EventSet(id)))
+    })
+}
+
+/// `nvmlDeviceRegisterEvents`: `NVML_ERROR_NOT_SUPPORTED` for an unsupported
+/// type, a GPU without events or a MIG device handle.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceRegisterEvents(
+    device: nv::nvmlDevice_t,
+    event_types: c_ulonglong,
+    set: nv::nvmlEventSet_t,
+) -> nv::nvmlReturn_t {
+    api("nvmlDeviceRegisterEvents", |s| {
+        s.register_events(handle(device)?, event_types, event_set(set)?)
+    })
+}
+
+/// How often a waiting `nvmlEventSetWait_v2` looks at the events file.
+const EVENT_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// `nvmlEventSetWait_v2`: the next injected event of a registered GPU and type,
+/// waiting up to `timeoutms` (`NVML_ERROR_TIMEOUT` then). `gpuInstanceId` and
+/// `computeInstanceId` are `0xFFFFFFFF` for whole-device events. The lock is
+/// not held while waiting.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlEventSetWait_v2(
+    set: nv::nvmlEventSet_t,
+    data: *mut nv::nvmlEventData_t,
+    timeoutms: c_uint,
+) -> nv::nvmlReturn_t {
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(u64::from(timeoutms));
+    let poll = |s: &mut Sim| {
+        let id = event_set(set)?;
+        if data.is_null() {
+            return Err(E_INVALID_ARGUMENT);
+        }
+        let ev = s.next_event(id)?;
+        put(
+            data,
+            nv::nvmlEventData_t {
+                device: to_ptr(Handle::Gpu(ev.gpu)),
+                eventType: ev.event_type,
+                eventData: ev.data,
+                gpuInstanceId: ev.gi.unwrap_or(u32::MAX),
+                computeInstanceId: ev.ci.unwrap_or(u32::MAX),
+            },
+        )
+    };
+    let mut rc = api("nvmlEventSetWait_v2", poll);
+    loop {
+        if rc != E_TIMEOUT {
+            return rc;
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return E_TIMEOUT;
+        }
+        std::thread::sleep((deadline - now).min(EVENT_POLL));
+        rc = api_uncounted(poll);
+    }
+}
+
+/// `nvmlEventSetFree`.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlEventSetFree(set: nv::nvmlEventSet_t) -> nv::nvmlReturn_t {
+    api("nvmlEventSetFree", |s| s.free_event_set(event_set(set)?))
 }
 
 #[cfg(test)]

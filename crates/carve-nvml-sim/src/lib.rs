@@ -18,9 +18,15 @@
 //! JSON array in `CARVE_NVML_SIM_FAULTS`. One process at a time may use one state file: there
 //! is a process-wide lock but no file lock.
 //!
-//! It is not NVML: no telemetry, no events, no processes, no vGPU, no real UUIDs.
+//! Events: `nvmlEventSetCreate`/`nvmlDeviceRegisterEvents`/`nvmlEventSetWait_v2`
+//! deliver XID and ECC events that tests append with [`inject_event`] to
+//! [`SimConfig::events_file`]; an event set sees only events injected after it
+//! was created. GPUs listed in `eventsUnsupported` do not support events.
+//!
+//! It is not NVML: no telemetry, no processes, no vGPU, no real UUIDs.
 
 mod config;
+mod events;
 mod ffi;
 mod sim;
 mod state;
@@ -29,6 +35,7 @@ pub use config::{
     CONFIG_ENV, CorruptProfile, FAULTS_ENV, Fault, FaultAction, GpuEntry, SIDECAR_SUFFIX,
     SimConfig, SimError, write_atomic,
 };
+pub use events::{SUPPORTED_EVENT_TYPES, SimEvent, inject_event, read_events};
 pub use state::{CiState, GiState, GpuState, SimState, simulate_gpu_reset};
 
 /// Every NVML symbol the library exports.
@@ -72,4 +79,9 @@ pub const EXPORTED_SYMBOLS: &[&str] = &[
     "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
     "nvmlDeviceGetGpuInstanceId",
     "nvmlDeviceGetComputeInstanceId",
+    "nvmlDeviceGetSupportedEventTypes",
+    "nvmlEventSetCreate",
+    "nvmlDeviceRegisterEvents",
+    "nvmlEventSetWait_v2",
+    "nvmlEventSetFree",
 ];

@@ -1,7 +1,7 @@
 //! The simulated driver: hardware semantics over `carve_model` tables, with no
 //! FFI in it. Every operation returns the NVML return code it would fail with.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 
 use carve_model::{Architecture, GpuModel, GpuSpec, Instance, MigProfile, Occupancy, Placement};
@@ -9,6 +9,7 @@ use nvml_wrapper_sys::bindings as nv;
 use sha2::{Digest, Sha256};
 
 use crate::config::{FaultAction, SimConfig};
+use crate::events::{SUPPORTED_EVENT_TYPES, SimEvent, events_end, read_events};
 use crate::state::{CiState, GiState, SimState};
 
 /// An NVML return code.
@@ -27,6 +28,7 @@ pub(crate) const E_INSUFFICIENT_RESOURCES: Ret =
     nv::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
 pub(crate) const E_VERSION_MISMATCH: Ret = nv::nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
 pub(crate) const E_UNKNOWN: Ret = nv::nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+pub(crate) const E_TIMEOUT: Ret = nv::nvmlReturn_enum_NVML_ERROR_TIMEOUT;
 
 /// What an opaque handle value names. Handles are tagged integers that are never
 /// dereferenced; instance handles carry a serial that is never reused, so a
@@ -41,6 +43,8 @@ pub(crate) enum Handle {
     Gi(u64),
     /// Compute instance by serial.
     Ci(u64),
+    /// Event set by id.
+    EventSet(u64),
 }
 
 const TAG_SHIFT: u32 = 40;
@@ -48,6 +52,7 @@ const TAG_GPU: usize = 1;
 const TAG_MIG: usize = 2;
 const TAG_GI: usize = 3;
 const TAG_CI: usize = 4;
+const TAG_EVENT_SET: usize = 5;
 
 impl Handle {
     pub(crate) fn encode(self) -> usize {
@@ -56,6 +61,7 @@ impl Handle {
             Self::Mig(s) => (TAG_MIG, s),
             Self::Gi(s) => (TAG_GI, s),
             Self::Ci(s) => (TAG_CI, s),
+            Self::EventSet(s) => (TAG_EVENT_SET, s),
         };
         (tag << TAG_SHIFT) | (v as usize & ((1usize << TAG_SHIFT) - 1))
     }
@@ -67,6 +73,7 @@ impl Handle {
             TAG_MIG => Some(Self::Mig(payload)),
             TAG_GI => Some(Self::Gi(payload)),
             TAG_CI => Some(Self::Ci(payload)),
+            TAG_EVENT_SET => Some(Self::EventSet(payload)),
             _ => None,
         }
     }
@@ -132,6 +139,17 @@ pub(crate) struct Sim {
     pub(crate) state: SimState,
     calls: HashMap<String, u32>,
     pub(crate) refcount: u32,
+    event_sets: HashMap<u64, EventSetState>,
+    next_event_set: u64,
+}
+
+/// One event set: registered GPUs with their event-type masks, and how far it
+/// has read the injected-events file.
+#[derive(Debug)]
+struct EventSetState {
+    registered: HashMap<u32, u64>,
+    cursor: u64,
+    pending: VecDeque<SimEvent>,
 }
 
 fn hex_uuid(prefix: &str, parts: &[&str]) -> String {
@@ -188,6 +206,8 @@ impl Sim {
             state,
             calls: HashMap::new(),
             refcount: 1,
+            event_sets: HashMap::new(),
+            next_event_set: 1,
         })
     }
 
@@ -688,6 +708,77 @@ impl Sim {
     /// GPU-instance profile of a MIG device's GI.
     pub(crate) fn mig_profile(&self, v: &CiView) -> Result<GiProfileView, Ret> {
         Ok(self.gi_profile_of(v.gi_serial)?.1)
+    }
+
+    /// A new event set; it sees events injected from now on.
+    pub(crate) fn create_event_set(&mut self) -> u64 {
+        let id = self.next_event_set;
+        self.next_event_set += 1;
+        self.event_sets.insert(
+            id,
+            EventSetState {
+                registered: HashMap::new(),
+                cursor: events_end(&self.cfg.events_file()),
+                pending: VecDeque::new(),
+            },
+        );
+        id
+    }
+
+    /// Event types a physical GPU supports (none for `eventsUnsupported` GPUs).
+    pub(crate) fn supported_event_types(&self, h: Handle) -> Result<u64, Ret> {
+        let (i, _) = self.gpu(h)?;
+        Ok(if self.cfg.events_unsupported.contains(&i) {
+            0
+        } else {
+            SUPPORTED_EVENT_TYPES
+        })
+    }
+
+    /// Register a physical GPU for `types` in event set `set`. MIG device
+    /// handles are refused, as NVML does not report per instance through them.
+    pub(crate) fn register_events(&mut self, h: Handle, types: u64, set: u64) -> Result<(), Ret> {
+        if matches!(h, Handle::Mig(_)) {
+            return Err(E_NOT_SUPPORTED);
+        }
+        let supported = self.supported_event_types(h)?;
+        let (i, _) = self.gpu(h)?;
+        let st = self.event_sets.get_mut(&set).ok_or(E_INVALID_ARGUMENT)?;
+        if supported == 0 || types & !supported != 0 {
+            return Err(E_NOT_SUPPORTED);
+        }
+        *st.registered.entry(i).or_insert(0) |= types;
+        Ok(())
+    }
+
+    /// The next event for `set` of a registered GPU and type, or `E_TIMEOUT`
+    /// when none has been injected yet.
+    pub(crate) fn next_event(&mut self, set: u64) -> Result<SimEvent, Ret> {
+        let path = self.cfg.events_file();
+        let st = self.event_sets.get_mut(&set).ok_or(E_INVALID_ARGUMENT)?;
+        let (evs, off) = read_events(&path, st.cursor).map_err(|e| {
+            eprintln!("nvml-sim: {e}");
+            E_UNKNOWN
+        })?;
+        st.cursor = off;
+        st.pending.extend(evs);
+        while let Some(ev) = st.pending.pop_front() {
+            if st
+                .registered
+                .get(&ev.gpu)
+                .is_some_and(|m| m & ev.event_type != 0)
+            {
+                return Ok(ev);
+            }
+        }
+        Err(E_TIMEOUT)
+    }
+
+    pub(crate) fn free_event_set(&mut self, set: u64) -> Result<(), Ret> {
+        self.event_sets
+            .remove(&set)
+            .map(|_| ())
+            .ok_or(E_INVALID_ARGUMENT)
     }
 
     pub(crate) fn architecture(g: &SimGpu) -> u32 {

@@ -7,6 +7,9 @@
 //! It uses nvml-wrapper for what that covers and raw `NvmlLib` calls for the MIG
 //! instance API. Every symbol is looked up without panicking: a library that
 //! lacks one yields [`BackendError::MissingSymbol`] at [`NvmlBackend::open`].
+//! It also implements [`carve_gpu::GpuEvents`] over the NVML event API (XID,
+//! single- and double-bit ECC); the event symbols are optional: a library
+//! without them reports every GPU unmonitored.
 //! It is not a GPU manager: no telemetry, no MPS daemon control (only the
 //! compute mode MPS wants).
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -49,6 +52,21 @@ pub struct NvmlBackend {
     nvml: Nvml,
     proc_root: PathBuf,
     lib: String,
+    /// The event watch of [`carve_gpu::GpuEvents`], started by its first wait.
+    events: std::sync::Mutex<events::EventWatch>,
+}
+
+impl Drop for NvmlBackend {
+    fn drop(&mut self) {
+        // Free the event set before `Nvml`'s Drop shuts NVML down.
+        let w = self
+            .events
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(set) = w.take_set() {
+            self.free_event_set(set);
+        }
+    }
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -70,6 +88,8 @@ macro_rules! sym {
             })?
     };
 }
+
+mod events;
 
 /// Version word of a `_v2` NVML struct (`NVML_STRUCT_VERSION(T, 2)`).
 const fn v2<T>() -> c_uint {
@@ -204,6 +224,7 @@ impl NvmlBackend {
             nvml,
             proc_root: opts.proc_root,
             lib,
+            events: std::sync::Mutex::new(events::EventWatch::default()),
         };
         b.check_symbols()?;
         tracing::debug!(lib = %b.lib, "NVML initialised");

@@ -29,6 +29,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
 
+use carve_model::names::DeviceName;
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, Device, DeviceAllocationConfiguration, DeviceAllocationResult,
@@ -39,7 +40,9 @@ use sha2::{Digest, Sha256};
 
 use crate::celenv::{CEL_COST_LIMIT, CEL_MAX_LENGTH, CelEnv, CompileFailure, Compiled, DeviceView};
 use crate::error::AllocError;
-use crate::explain::{Explanation, PoolNote, Reason, Rejection, RequestExplanation};
+use crate::explain::{
+    Explanation, PoolNote, Reason, Rejection, Release, RequestExplanation, SliceRange, Suggestion,
+};
 use crate::inventory::{self, DevInfo, Policy, Pool, SliceInfo, qualify};
 use crate::quantity::Qty;
 
@@ -47,6 +50,28 @@ use crate::quantity::Qty;
 pub const MAX_RESULTS: usize = 32;
 /// Search steps after which a claim is reported as not fitting.
 const MAX_STEPS: u64 = 2_000_000;
+/// Release sets tried per device before settling for an irreducible (not
+/// necessarily smallest) one.
+const MAX_SUGGEST_CHECKS: usize = 512;
+/// Release sets tried for all devices of one explanation; devices after that
+/// get no suggestion (the explanation says so).
+const MAX_SUGGEST_TOTAL: usize = 8192;
+
+/// Advances `comb` (strictly increasing indices below `n`) to the next
+/// combination of the same size in lexicographic order; false after the last.
+pub(crate) fn next_combination(comb: &mut [usize], n: usize) -> bool {
+    let k = comb.len();
+    for i in (0..k).rev() {
+        if comb[i] < n - k + i {
+            comb[i] += 1;
+            for j in i + 1..k {
+                comb[j] = comb[j - 1] + 1;
+            }
+            return true;
+        }
+    }
+    false
+}
 
 /// Everything the allocator looks at.
 #[derive(Debug, Clone, Default)]
@@ -59,9 +84,11 @@ pub struct Inputs {
     pub claims_allocated: Vec<ResourceClaim>,
 }
 
-type DevKey = (String, String, String);
+pub(crate) type DevKey = (String, String, String);
+/// (blocking counters + wanted devices held, counters of wanted devices held).
+pub(crate) type BlockScore = (usize, usize);
 
-fn claim_ref(c: &ResourceClaim) -> String {
+pub(crate) fn claim_ref(c: &ResourceClaim) -> String {
     format!(
         "{}/{}",
         c.metadata.namespace.as_deref().unwrap_or("default"),
@@ -357,6 +384,12 @@ struct Setup<'c> {
     pools: Vec<Pool>,
     cands: Vec<Cand>,
     entries: Vec<Entry<'c>>,
+    view: View,
+}
+
+/// What the committed claims hold on a node's pools.
+#[derive(Debug)]
+struct View {
     committed: Committed,
     /// Per pool: counter set → counter → consumed by committed devices.
     committed_counters: Vec<BTreeMap<String, BTreeMap<String, Qty>>>,
@@ -415,6 +448,158 @@ impl<'a> Allocator<'a> {
         &self.committed
     }
 
+    /// Forgets the committed claims named `namespace/name` (their devices become
+    /// free) and returns them; empty when no committed claim has that name.
+    pub fn release(&mut self, claim: &str) -> Vec<ResourceClaim> {
+        let (gone, kept) = std::mem::take(&mut self.committed)
+            .into_iter()
+            .partition(|c| claim_ref(c) == claim);
+        self.committed = kept;
+        gone
+    }
+
+    /// Swaps the committed claims for `claims` and returns the old ones.
+    pub(crate) fn replace_committed(&mut self, claims: Vec<ResourceClaim>) -> Vec<ResourceClaim> {
+        std::mem::replace(&mut self.committed, claims)
+    }
+
+    /// Node names the slices mention (`spec.nodeName`, and per-device
+    /// `nodeName`), sorted.
+    pub fn node_names(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for s in self.slices {
+            let per_device = s
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .filter_map(|d| d.node_name.as_ref());
+            for n in s.spec.node_name.iter().chain(per_device) {
+                if !out.contains(n) {
+                    out.push(n.clone());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Per committed claim (`namespace/name`, in commit order): how many
+    /// blocking counters it holds plus how many wanted devices it holds itself,
+    /// and how many counters of wanted devices it holds at all. Wanted devices
+    /// are those on `node` whose selectors match a request of `claim`; a
+    /// blocking counter (`(pool, set, counter)`) is one a wanted device consumes
+    /// and that has too little left for it. Claims scoring (0, 0) are left out.
+    pub(crate) fn blocking_scores(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+    ) -> Result<Vec<(String, BlockScore)>, AllocError> {
+        let setup = self.setup(claim, node, None)?;
+        let probe = Search::new(self, claim, node, &setup, &setup.view, Vec::new());
+        let mut wanted_keys: HashSet<&DevKey> = HashSet::new();
+        let mut wanted_counters: HashSet<(usize, &str, &str)> = HashSet::new();
+        let mut touched_counters: HashSet<(usize, &str, &str)> = HashSet::new();
+        for entry in &setup.entries {
+            let reqs: Vec<&Req<'_>> = match entry {
+                Entry::One(r) => vec![r],
+                Entry::First(v) => v.iter().collect(),
+            };
+            for r in reqs {
+                for (ci, cand) in setup.cands.iter().enumerate() {
+                    if probe.first_false_selector(ci, r)?.is_some() {
+                        continue;
+                    }
+                    wanted_keys.insert(&cand.key);
+                    let (_, _, info) = self.device(cand);
+                    let pool = &setup.pools[cand.pool];
+                    for (set, cs) in &info.consumes {
+                        for (n, q) in cs {
+                            let get = |m: &BTreeMap<String, BTreeMap<String, Qty>>| {
+                                m.get(set).and_then(|s| s.get(n)).copied()
+                            };
+                            let total = get(&pool.counters).unwrap_or(Qty::ZERO);
+                            let used =
+                                get(&setup.view.committed_counters[cand.pool]).unwrap_or(Qty::ZERO);
+                            let short = used.checked_add(*q).is_none_or(|need| need > total);
+                            if q.nanos() > 0 {
+                                touched_counters.insert((cand.pool, set, n));
+                                if short {
+                                    wanted_counters.insert((cand.pool, set, n));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // (driver, pool, device) → (pool index, device info) over the node's pools.
+        let mut infos: HashMap<DevKey, (usize, &DevInfo)> = HashMap::new();
+        for (pi, p) in setup.pools.iter().enumerate() {
+            for &si in &p.all_slices {
+                for (d, info) in self.slices[si]
+                    .spec
+                    .devices
+                    .iter()
+                    .flatten()
+                    .zip(&self.parsed[si].devices)
+                {
+                    infos.insert(
+                        (p.driver.clone(), p.name.clone(), d.name.clone()),
+                        (pi, info),
+                    );
+                }
+            }
+        }
+        let mut out: Vec<(String, BlockScore)> = Vec::new();
+        for c in &self.committed {
+            let who = claim_ref(c);
+            let results = c
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .and_then(|a| a.devices.as_ref())
+                .and_then(|d| d.results.as_ref());
+            let mut counters: HashSet<(usize, &str, &str)> = HashSet::new();
+            let mut touched: HashSet<(usize, &str, &str)> = HashSet::new();
+            let mut devices = 0;
+            for r in results.into_iter().flatten() {
+                if r.admin_access == Some(true) {
+                    continue;
+                }
+                let key = (r.driver.clone(), r.pool.clone(), r.device.clone());
+                if wanted_keys.contains(&key) {
+                    devices += 1;
+                }
+                if let Some((pi, info)) = infos.get(&key) {
+                    for (set, cs) in &info.consumes {
+                        for (n, q) in cs {
+                            let k = (*pi, set.as_str(), n.as_str());
+                            if q.nanos() > 0 && wanted_counters.contains(&k) {
+                                counters.insert(k);
+                            }
+                            if q.nanos() > 0 && touched_counters.contains(&k) {
+                                touched.insert(k);
+                            }
+                        }
+                    }
+                }
+            }
+            let score = (counters.len() + devices, touched.len());
+            if score == (0, 0) {
+                continue;
+            }
+            match out.iter_mut().find(|(w, _)| *w == who) {
+                Some(e) => {
+                    e.1.0 += score.0;
+                    e.1.1 += score.1;
+                }
+                None => out.push((who, score)),
+            }
+        }
+        Ok(out)
+    }
+
     /// Allocates `claim` on `node` and commits the result (a copy of the claim
     /// with `status.allocation` set); returns the allocation.
     pub fn allocate_and_commit(
@@ -435,27 +620,22 @@ impl<'a> Allocator<'a> {
         claim: &ResourceClaim,
         node: &str,
     ) -> Result<AllocationResult, AllocError> {
-        let setup = self.setup(claim, node)?;
-        let constraints = claim_constraints(claim)?;
-        let mut s = Search {
-            a: self,
-            claim,
-            node,
-            setup: &setup,
-            entries: &setup.entries,
-            match_cache: HashMap::new(),
-            excl: HashSet::new(),
-            shared: HashMap::new(),
-            counters_used: vec![BTreeMap::new(); setup.pools.len()],
-            constraints,
-            results: Vec::new(),
-            chosen: HashMap::new(),
-            steps: 0,
-        };
-        if s.request(0)? {
-            return Ok(s.build_result());
+        self.allocate_among(claim, node, None)
+    }
+
+    /// [`Allocator::allocate`] with the node's devices limited to `only`
+    /// (`(driver, pool, device)` keys) when given.
+    pub(crate) fn allocate_among(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+        only: Option<&HashSet<DevKey>>,
+    ) -> Result<AllocationResult, AllocError> {
+        let setup = self.setup(claim, node, only)?;
+        let (found, stopped) = self.search(claim, node, &setup)?;
+        if let Some(r) = found {
+            return Ok(r);
         }
-        let stopped = s.steps >= MAX_STEPS;
         let mut e = self.explain_with(claim, node, &setup)?;
         if stopped {
             e.combination.push(format!(
@@ -465,9 +645,36 @@ impl<'a> Allocator<'a> {
         Err(AllocError::Unsatisfiable(Box::new(e)))
     }
 
+    /// Like [`Allocator::allocate_among`] but without an explanation when the
+    /// claim does not fit (`Ok(None)`).
+    pub(crate) fn try_allocate(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+        only: Option<&HashSet<DevKey>>,
+    ) -> Result<Option<AllocationResult>, AllocError> {
+        let setup = self.setup(claim, node, only)?;
+        Ok(self.search(claim, node, &setup)?.0)
+    }
+
+    /// The backtracking search; the result, and whether it hit the step limit.
+    fn search(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+        setup: &Setup<'_>,
+    ) -> Result<(Option<AllocationResult>, bool), AllocError> {
+        let constraints = claim_constraints(claim)?;
+        let mut s = Search::new(self, claim, node, setup, &setup.view, constraints);
+        if s.request(0)? {
+            return Ok((Some(s.build_result()), false));
+        }
+        Ok((None, s.steps >= MAX_STEPS))
+    }
+
     /// Says, per request and device, why `claim` does not fit on `node` now.
     pub fn explain(&self, claim: &ResourceClaim, node: &str) -> Result<Explanation, AllocError> {
-        let setup = self.setup(claim, node)?;
+        let setup = self.setup(claim, node, None)?;
         self.explain_with(claim, node, &setup)
     }
 
@@ -481,10 +688,13 @@ impl<'a> Allocator<'a> {
         (s, d, &self.parsed[c.slice].devices[c.dev])
     }
 
-    fn committed_state(&self) -> Committed {
+    fn committed_state(&self, released: &HashSet<String>) -> Committed {
         let mut st = Committed::default();
         for claim in &self.committed {
             let who = claim_ref(claim);
+            if released.contains(&who) {
+                continue;
+            }
             let results = claim
                 .status
                 .as_ref()
@@ -555,29 +765,9 @@ impl<'a> Allocator<'a> {
         Ok(out)
     }
 
-    fn setup<'c>(&'c self, claim: &'c ResourceClaim, node: &str) -> Result<Setup<'c>, AllocError> {
-        let who = claim_ref(claim);
-        let pools = inventory::gather_pools(self.slices, &self.parsed, node);
-        let mut cands = Vec::new();
-        for (pi, p) in pools.iter().enumerate() {
-            if p.usable.is_err() {
-                continue;
-            }
-            for &si in &p.device_slices {
-                let s = &self.slices[si];
-                for (di, d) in s.spec.devices.iter().flatten().enumerate() {
-                    if inventory::device_visible(s, d, node) {
-                        cands.push(Cand {
-                            pool: pi,
-                            slice: si,
-                            dev: di,
-                            key: (p.driver.clone(), p.name.clone(), d.name.clone()),
-                        });
-                    }
-                }
-            }
-        }
-        let committed = self.committed_state();
+    /// What the committed claims, less `released`, hold on `pools`.
+    fn view(&self, pools: &[Pool], released: &HashSet<String>) -> View {
+        let committed = self.committed_state(released);
         let mut committed_counters = vec![BTreeMap::new(); pools.len()];
         let mut counter_holders = vec![HashMap::new(); pools.len()];
         for (pi, p) in pools.iter().enumerate() {
@@ -622,6 +812,46 @@ impl<'a> Allocator<'a> {
                 }
             }
         }
+
+        View {
+            committed,
+            committed_counters,
+            counter_holders,
+        }
+    }
+
+    fn setup<'c>(
+        &'c self,
+        claim: &'c ResourceClaim,
+        node: &str,
+        only: Option<&HashSet<DevKey>>,
+    ) -> Result<Setup<'c>, AllocError> {
+        let who = claim_ref(claim);
+        let pools = inventory::gather_pools(self.slices, &self.parsed, node);
+        let mut cands = Vec::new();
+        for (pi, p) in pools.iter().enumerate() {
+            if p.usable.is_err() {
+                continue;
+            }
+            for &si in &p.device_slices {
+                let s = &self.slices[si];
+                for (di, d) in s.spec.devices.iter().flatten().enumerate() {
+                    let key = (p.driver.clone(), p.name.clone(), d.name.clone());
+                    if only.is_some_and(|o| !o.contains(&key)) {
+                        continue;
+                    }
+                    if inventory::device_visible(s, d, node) {
+                        cands.push(Cand {
+                            pool: pi,
+                            slice: si,
+                            dev: di,
+                            key,
+                        });
+                    }
+                }
+            }
+        }
+        let view = self.view(&pools, &HashSet::new());
 
         let requests = claim
             .spec
@@ -700,9 +930,7 @@ impl<'a> Allocator<'a> {
             pools,
             cands,
             entries,
-            committed,
-            committed_counters,
-            counter_holders,
+            view,
         })
     }
 
@@ -792,23 +1020,10 @@ impl<'a> Allocator<'a> {
         node: &str,
         setup: &Setup<'_>,
     ) -> Result<Explanation, AllocError> {
-        let probe = Search {
-            a: self,
-            claim,
-            node,
-            setup,
-            entries: &setup.entries,
-            match_cache: HashMap::new(),
-            excl: HashSet::new(),
-            shared: HashMap::new(),
-            counters_used: vec![BTreeMap::new(); setup.pools.len()],
-            constraints: Vec::new(),
-            results: Vec::new(),
-            chosen: HashMap::new(),
-            steps: 0,
-        };
+        let probe = Search::new(self, claim, node, setup, &setup.view, Vec::new());
         let mut requests = Vec::new();
         let mut enough = Vec::new();
+        let mut held: Vec<(&Req<'_>, usize)> = Vec::new();
         for entry in &setup.entries {
             let reqs: Vec<&Req<'_>> = match entry {
                 Entry::One(r) => vec![r],
@@ -821,7 +1036,17 @@ impl<'a> Allocator<'a> {
                 for (ci, c) in setup.cands.iter().enumerate() {
                     let device = format!("{}/{}", c.key.1, c.key.2);
                     match probe.reject_reason(ci, r)? {
-                        Some(reason) => rejected.push(Rejection { device, reason }),
+                        Some(reason) => {
+                            if matches!(
+                                reason,
+                                Reason::InUse { .. }
+                                    | Reason::Counter { .. }
+                                    | Reason::Capacity { .. }
+                            ) {
+                                held.push((r, ci));
+                            }
+                            rejected.push(Rejection { device, reason });
+                        }
                         None => candidates.push(device),
                     }
                 }
@@ -907,13 +1132,243 @@ impl<'a> Allocator<'a> {
                     .push("allocationMode All needs every pool of the node to be complete".into());
             }
         }
+        let mut suggestions = Vec::new();
+        let mut checks = 0usize;
+        let held_count = held.len();
+        for (i, (r, ci)) in held.into_iter().enumerate() {
+            if checks >= MAX_SUGGEST_TOTAL {
+                combination.push(format!(
+                    "suggestions cover {i} of the {held_count} devices held by other claims (check budget of {MAX_SUGGEST_TOTAL} spent)"
+                ));
+                break;
+            }
+            if let Some(sg) = self.suggest(claim, node, setup, r, ci, &mut checks)? {
+                suggestions.push((sg.release.len(), ci, sg));
+            }
+        }
+        suggestions.sort_by_key(|(n, ci, _)| (*n, *ci));
         Ok(Explanation {
             claim: claim_ref(claim),
             node: node.to_string(),
             unusable_pools,
             requests,
             combination,
+            suggestions: suggestions.into_iter().map(|(_, _, s)| s).collect(),
         })
+    }
+
+    /// Claims whose allocations touch candidate `c`: holders of the device and
+    /// of devices that consume a counter it consumes.
+    fn relevant_holders(&self, setup: &Setup<'_>, c: usize) -> Vec<String> {
+        let cand = &setup.cands[c];
+        let (_, _, info) = self.device(cand);
+        let view = &setup.view;
+        let mut out: Vec<String> = Vec::new();
+        let mut add = |v: &Vec<String>| {
+            for w in v {
+                if !out.contains(w) {
+                    out.push(w.clone());
+                }
+            }
+        };
+        if let Some(h) = view.committed.exclusive.get(&cand.key) {
+            add(h);
+        }
+        if let Some((_, h)) = view.committed.shared.get(&cand.key) {
+            add(h);
+        }
+        for (set, counters) in &info.consumes {
+            for (name, q) in counters {
+                if q.nanos() > 0
+                    && let Some(h) =
+                        view.counter_holders[cand.pool].get(&(set.clone(), name.clone()))
+                {
+                    add(h);
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether request `r` alone could take candidate `c` with the claims in
+    /// `released` gone.
+    fn frees(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+        setup: &Setup<'_>,
+        r: &Req<'_>,
+        c: usize,
+        released: &HashSet<String>,
+    ) -> Result<bool, AllocError> {
+        let view = self.view(&setup.pools, released);
+        let probe = Search::new(self, claim, node, setup, &view, Vec::new());
+        Ok(probe.reject_reason(c, r)?.is_none())
+    }
+
+    /// The smallest set of committed claims whose release frees candidate `c`
+    /// for request `r`, as a suggestion; `None` when releasing every claim
+    /// involved does not free it (a selector, taint or policy is in the way).
+    fn suggest(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+        setup: &Setup<'_>,
+        r: &Req<'_>,
+        c: usize,
+        total: &mut usize,
+    ) -> Result<Option<Suggestion>, AllocError> {
+        let mut holders = self.relevant_holders(setup, c);
+        holders.sort();
+        let all: HashSet<String> = holders.iter().cloned().collect();
+        *total += 1;
+        if holders.is_empty() || !self.frees(claim, node, setup, r, c, &all)? {
+            return Ok(None);
+        }
+        let mut checks = 0usize;
+        let mut found: Option<Vec<usize>> = None;
+        'sizes: for k in 1..=holders.len() {
+            let mut comb: Vec<usize> = (0..k).collect();
+            loop {
+                if checks >= MAX_SUGGEST_CHECKS {
+                    break 'sizes;
+                }
+                checks += 1;
+                *total += 1;
+                let set: HashSet<String> = comb.iter().map(|&i| holders[i].clone()).collect();
+                if self.frees(claim, node, setup, r, c, &set)? {
+                    found = Some(comb);
+                    break 'sizes;
+                }
+                if !next_combination(&mut comb, holders.len()) {
+                    break;
+                }
+            }
+        }
+        let (chosen, minimum) = match found {
+            Some(comb) => (comb.iter().map(|&i| holders[i].clone()).collect(), true),
+            None => {
+                // Budget spent: drop claims one by one while the rest still frees it.
+                let mut keep: Vec<String> = holders.clone();
+                let mut i = 0;
+                while i < keep.len() {
+                    let mut trial = keep.clone();
+                    trial.remove(i);
+                    let set: HashSet<String> = trial.iter().cloned().collect();
+                    *total += 1;
+                    if self.frees(claim, node, setup, r, c, &set)? {
+                        keep = trial;
+                    } else {
+                        i += 1;
+                    }
+                }
+                (keep, false)
+            }
+        };
+        Ok(Some(self.describe(setup, r, c, chosen, minimum)))
+    }
+
+    /// Builds the suggestion text parts for freeing candidate `c` by releasing `claims`.
+    fn describe(
+        &self,
+        setup: &Setup<'_>,
+        r: &Req<'_>,
+        c: usize,
+        claims: Vec<String>,
+        minimum: bool,
+    ) -> Suggestion {
+        let cand = &setup.cands[c];
+        let (_, d, info) = self.device(cand);
+        let mine: HashSet<(&str, &str)> = info
+            .consumes
+            .iter()
+            .flat_map(|(set, cs)| {
+                cs.iter()
+                    .filter(|(_, q)| q.nanos() > 0)
+                    .map(move |(n, _)| (set.as_str(), n.as_str()))
+            })
+            .collect();
+        let pool = &setup.pools[cand.pool];
+        let overlaps = |name: &str| -> bool {
+            if name == cand.key.2 {
+                return true;
+            }
+            pool.all_slices.iter().any(|&si| {
+                self.slices[si]
+                    .spec
+                    .devices
+                    .iter()
+                    .flatten()
+                    .zip(&self.parsed[si].devices)
+                    .any(|(od, oi)| {
+                        od.name == name
+                            && oi.consumes.iter().any(|(set, cs)| {
+                                cs.iter().any(|(n, q)| {
+                                    q.nanos() > 0 && mine.contains(&(set.as_str(), n.as_str()))
+                                })
+                            })
+                    })
+            })
+        };
+        let release = claims
+            .into_iter()
+            .map(|who| {
+                let mut devices: Vec<String> = Vec::new();
+                for cl in self.committed.iter().filter(|cl| claim_ref(cl) == who) {
+                    let results = cl
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.allocation.as_ref())
+                        .and_then(|a| a.devices.as_ref())
+                        .and_then(|d| d.results.as_ref());
+                    for res in results.into_iter().flatten() {
+                        if res.driver == cand.key.0
+                            && res.pool == cand.key.1
+                            && overlaps(&res.device)
+                            && !devices.contains(&res.device)
+                        {
+                            devices.push(res.device.clone());
+                        }
+                    }
+                }
+                Release {
+                    claim: who,
+                    devices,
+                }
+            })
+            .collect();
+        let attr_int = |n: &str| {
+            d.attributes
+                .as_ref()
+                .and_then(|a| a.get(n))
+                .and_then(|a| a.int)
+        };
+        let profile = d
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get("profile"))
+            .and_then(|a| a.string.clone());
+        let slices = match (attr_int("placementStart"), attr_int("memorySlices")) {
+            (Some(first), Some(n)) if n > 0 => Some(SliceRange {
+                first,
+                last: first + n - 1,
+            }),
+            _ => None,
+        };
+        let gpu = d
+            .name
+            .parse::<DeviceName>()
+            .ok()
+            .map(|n| DeviceName::Gpu { gpu: n.gpu() }.to_string());
+        Suggestion {
+            request: r.full.clone(),
+            device: format!("{}/{}", cand.key.1, cand.key.2),
+            profile,
+            gpu,
+            slices,
+            release,
+            minimum,
+        }
     }
 }
 
@@ -973,6 +1428,7 @@ struct Search<'s, 'a, 'c> {
     claim: &'s ResourceClaim,
     node: &'s str,
     setup: &'s Setup<'c>,
+    view: &'s View,
     entries: &'s [Entry<'c>],
     match_cache: HashMap<(usize, usize), bool>,
     excl: HashSet<usize>,
@@ -982,6 +1438,34 @@ struct Search<'s, 'a, 'c> {
     results: Vec<Picked>,
     chosen: HashMap<usize, usize>,
     steps: u64,
+}
+
+impl<'s, 'a, 'c> Search<'s, 'a, 'c> {
+    fn new(
+        a: &'s Allocator<'a>,
+        claim: &'s ResourceClaim,
+        node: &'s str,
+        setup: &'s Setup<'c>,
+        view: &'s View,
+        constraints: Vec<ConstraintState>,
+    ) -> Self {
+        Search {
+            a,
+            claim,
+            node,
+            setup,
+            view,
+            entries: &setup.entries,
+            match_cache: HashMap::new(),
+            excl: HashSet::new(),
+            shared: HashMap::new(),
+            counters_used: vec![BTreeMap::new(); setup.pools.len()],
+            constraints,
+            results: Vec::new(),
+            chosen: HashMap::new(),
+            steps: 0,
+        }
+    }
 }
 
 impl Search<'_, '_, '_> {
@@ -1169,7 +1653,7 @@ impl Search<'_, '_, '_> {
             let req = requested.get(cap.fq.as_str()).copied();
             let consumed = policy_consumed(req, cap.value, cap.policy.as_ref());
             let used_committed = self
-                .setup
+                .view
                 .committed
                 .shared
                 .get(&cand.key)
@@ -1225,12 +1709,12 @@ impl Search<'_, '_, '_> {
                         .copied()
                         .unwrap_or(Qty::ZERO)
                 };
-                let used = get(&self.setup.committed_counters[cand.pool])
+                let used = get(&self.view.committed_counters[cand.pool])
                     .checked_add(get(&self.counters_used[cand.pool]))
                     .unwrap_or(total);
                 let available = total.checked_sub(used).unwrap_or(Qty::ZERO);
                 if *need > available {
-                    let holders = self.setup.counter_holders[cand.pool]
+                    let holders = self.view.counter_holders[cand.pool]
                         .get(&(set.clone(), name.clone()))
                         .cloned()
                         .unwrap_or_default();
@@ -1260,7 +1744,7 @@ impl Search<'_, '_, '_> {
     fn shared_in_use(&self, c: usize) -> bool {
         self.shared.contains_key(&c)
             || self
-                .setup
+                .view
                 .committed
                 .shared
                 .contains_key(&self.setup.cands[c].key)
@@ -1272,7 +1756,7 @@ impl Search<'_, '_, '_> {
         }
         self.excl.contains(&c)
             || self
-                .setup
+                .view
                 .committed
                 .exclusive
                 .contains_key(&self.setup.cands[c].key)
@@ -1336,7 +1820,7 @@ impl Search<'_, '_, '_> {
         let mut share = None;
         if multi {
             let ordinal = self
-                .setup
+                .view
                 .committed
                 .shared
                 .get(&cand.key)
@@ -1397,7 +1881,7 @@ impl Search<'_, '_, '_> {
     fn reject_reason(&self, c: usize, r: &Req<'_>) -> Result<Option<Reason>, AllocError> {
         let cand = &self.setup.cands[c];
         if !r.admin
-            && let Some(holders) = self.setup.committed.exclusive.get(&cand.key)
+            && let Some(holders) = self.view.committed.exclusive.get(&cand.key)
         {
             return Ok(Some(Reason::InUse {
                 holders: holders.clone(),
@@ -1408,7 +1892,7 @@ impl Search<'_, '_, '_> {
         }
         if let Err(f) = self.capacity(c, r) {
             let holders = self
-                .setup
+                .view
                 .committed
                 .shared
                 .get(&cand.key)

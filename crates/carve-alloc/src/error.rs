@@ -76,6 +76,48 @@ pub enum AllocError {
         /// What is wrong.
         msg: String,
     },
+    /// Defragmentation was asked for a claim that fits on the node as things are.
+    #[error("claim {claim} already fits on node {node} (devices {}): nothing to do", devices.join(", "))]
+    AlreadyFits {
+        /// `namespace/name` of the claim.
+        claim: String,
+        /// The node.
+        node: String,
+        /// `pool/device` it would get now.
+        devices: Vec<String>,
+    },
+    /// The claim does not fit on the node even with no claim allocated, so no
+    /// moving of other claims can help.
+    #[error(
+        "claim {claim} does not fit on node {node} even with every device free (too large for the node):\n{explanation}"
+    )]
+    NeverFits {
+        /// `namespace/name` of the claim.
+        claim: String,
+        /// The node.
+        node: String,
+        /// Why it does not fit on the empty node.
+        explanation: Box<Explanation>,
+    },
+    /// No set of at most `max_moves` claims could be moved so that the claim fits.
+    #[error(
+        "no defragmentation plan for claim {claim} on node {node} moves at most {max_moves} claim(s): tried {sets_tried} set(s) of the {candidates} claim(s) in the way{}",
+        if *budget_spent { " before the search budget ran out" } else { "" }
+    )]
+    NoPlan {
+        /// `namespace/name` of the claim.
+        claim: String,
+        /// The node.
+        node: String,
+        /// The bound on claims moved.
+        max_moves: usize,
+        /// Claims on the node holding counters or devices the claim could use.
+        candidates: usize,
+        /// Sets of claims tried.
+        sets_tried: usize,
+        /// Whether the search stopped at its budget before trying every set.
+        budget_spent: bool,
+    },
     /// A ResourceSlice holds a value the allocator cannot use (e.g. a bad quantity).
     #[error("ResourceSlice {slice}: {field}: {msg}")]
     InvalidSlice {

@@ -19,6 +19,85 @@ pub struct Explanation {
     /// Problems that only show when requests are combined (constraints, devices
     /// wanted by several requests, counters shared between the picks).
     pub combination: Vec<String>,
+    /// What would make a request fit: per device held by other claims, the
+    /// fewest claims to release; ordered by that number, then device order.
+    pub suggestions: Vec<Suggestion>,
+}
+
+/// A device that a request would get if some claims released what they hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Suggestion {
+    /// `<req>` or `<req>/<sub>`.
+    pub request: String,
+    /// `pool/device`.
+    pub device: String,
+    /// The MIG profile of the device (its `profile` attribute), if any.
+    pub profile: Option<String>,
+    /// The physical GPU (`gpu-<i>`) of a carve device name.
+    pub gpu: Option<String>,
+    /// The memory slices of a MIG placement.
+    pub slices: Option<SliceRange>,
+    /// The claims to release, each with its devices that are in the way.
+    pub release: Vec<Release>,
+    /// True when no smaller set of claims would do (the search was exhaustive);
+    /// false when the search budget ran out and the set is only irreducible.
+    pub minimum: bool,
+}
+
+/// An inclusive range of memory slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SliceRange {
+    /// First slice.
+    pub first: i64,
+    /// Last slice.
+    pub last: i64,
+}
+
+/// A claim to release and its devices in the way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Release {
+    /// `namespace/name`.
+    pub claim: String,
+    /// Device names (in the device's pool) that overlap the suggested device.
+    pub devices: Vec<String>,
+}
+
+impl fmt::Display for SliceRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.first == self.last {
+            write!(f, "slice {}", self.first)
+        } else {
+            write!(f, "slices {}\u{2013}{}", self.first, self.last)
+        }
+    }
+}
+
+impl fmt::Display for Suggestion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.profile {
+            Some(p) => write!(f, "{p}")?,
+            None => write!(f, "request {}", self.request)?,
+        }
+        let name = self.device.rsplit('/').next().unwrap_or(&self.device);
+        match (&self.gpu, &self.slices) {
+            (Some(g), Some(s)) => write!(f, " fits on {g} at {s}")?,
+            _ => write!(f, " fits on {name}")?,
+        }
+        for (i, r) in self.release.iter().enumerate() {
+            let lead = if i == 0 { " if" } else { " and" };
+            write!(
+                f,
+                "{lead} claim {} releases {}",
+                r.claim,
+                r.devices.join(", ")
+            )?;
+        }
+        if !self.minimum {
+            write!(f, " (search budget spent; a smaller set may exist)")?;
+        }
+        Ok(())
+    }
 }
 
 /// A pool that cannot be allocated from.
@@ -212,6 +291,12 @@ impl fmt::Display for Explanation {
         }
         for c in &self.combination {
             writeln!(f, "  {c}")?;
+        }
+        if !self.suggestions.is_empty() {
+            writeln!(f, "  would fit if other claims released devices:")?;
+            for s in &self.suggestions {
+                writeln!(f, "    request {}: {s}", s.request)?;
+            }
         }
         Ok(())
     }

@@ -1,34 +1,23 @@
 //! Kubernetes resource quantities as exact numbers.
 //!
 //! A quantity (`"20Gi"`, `"1.5"`, `"500m"`, `"1e3"`) is held as an integer count of
-//! nano-units (10^-9), which is the finest precision Kubernetes keeps. Values finer
-//! than that are rounded up, as Kubernetes does.
+//! nano-units (10^-9), which is the finest precision Kubernetes keeps, plus the
+//! suffix family it was written in, to print computed values the same way.
+//! Values finer than that are rounded up, as Kubernetes does. Parsing is
+//! carve-model's (`carve_model::slices::quantity`), which rounds to milli-units
+//! for its own checks; the allocator needs nano-units (CEL `quantity()`
+//! comparisons, consumable capacity) and the suffix family.
 
 use std::cmp::Ordering;
 use std::fmt;
 
+use carve_model::slices::quantity::{self, QuantityFormat};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 const NANO: i128 = 1_000_000_000;
 
-/// Why a string is not a Kubernetes quantity.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum QuantityError {
-    /// The string does not follow the quantity grammar (sign, digits, suffix).
-    #[error("{input:?} is not a quantity: {reason}")]
-    Syntax {
-        /// The rejected text.
-        input: String,
-        /// What was wrong with it.
-        reason: &'static str,
-    },
-    /// The value is too large to be represented.
-    #[error("{input:?} is too large to be a quantity")]
-    Overflow {
-        /// The rejected text.
-        input: String,
-    },
-}
+/// Why a string is not a Kubernetes quantity (carve-model's, shared).
+pub use carve_model::slices::quantity::QuantityError;
 
 /// How a quantity was written, used to print computed values the same way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -79,99 +68,25 @@ impl Qty {
         }
     }
 
-    /// Parses the Kubernetes quantity grammar.
+    /// Parses the Kubernetes quantity grammar (carve-model's parser, kept at
+    /// nano-unit precision), like Go's `resource.ParseQuantity`: no
+    /// surrounding spaces, magnitudes up to 2^63-1.
     pub fn parse(input: &str) -> Result<Qty, QuantityError> {
-        let syntax = |reason| QuantityError::Syntax {
-            input: input.to_string(),
-            reason,
-        };
-        let overflow = || QuantityError::Overflow {
-            input: input.to_string(),
-        };
-        let s = input.trim();
-        if s.is_empty() {
-            return Err(syntax("empty"));
-        }
-        let (negative, rest) = match s.as_bytes()[0] {
-            b'-' => (true, &s[1..]),
-            b'+' => (false, &s[1..]),
-            _ => (false, s),
-        };
-        let num_end = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        let (number, suffix) = rest.split_at(num_end);
-        if number.is_empty() || number == "." {
-            return Err(syntax("no digits"));
-        }
-        let (int_part, frac_part) = match number.split_once('.') {
-            Some((i, f)) => {
-                if f.contains('.') {
-                    return Err(syntax("more than one decimal point"));
-                }
-                (i, f)
-            }
-            None => (number, ""),
-        };
-        let mut mantissa: i128 = 0;
-        for c in int_part.chars().chain(frac_part.chars()) {
-            let d = i128::from(c as u8 - b'0');
-            mantissa = mantissa
-                .checked_mul(10)
-                .and_then(|m| m.checked_add(d))
-                .ok_or_else(overflow)?;
-        }
-        let frac_digits = i32::try_from(frac_part.len()).map_err(|_| overflow())?;
-        let (mult, exp10, format): (i128, i32, Format) = match suffix {
-            "" => (1, 0, Format::DecimalSi),
-            "n" => (1, -9, Format::DecimalSi),
-            "u" => (1, -6, Format::DecimalSi),
-            "m" => (1, -3, Format::DecimalSi),
-            "k" => (1, 3, Format::DecimalSi),
-            "M" => (1, 6, Format::DecimalSi),
-            "G" => (1, 9, Format::DecimalSi),
-            "T" => (1, 12, Format::DecimalSi),
-            "P" => (1, 15, Format::DecimalSi),
-            "E" => (1, 18, Format::DecimalSi),
-            "Ki" => (1 << 10, 0, Format::BinarySi),
-            "Mi" => (1 << 20, 0, Format::BinarySi),
-            "Gi" => (1 << 30, 0, Format::BinarySi),
-            "Ti" => (1 << 40, 0, Format::BinarySi),
-            "Pi" => (1 << 50, 0, Format::BinarySi),
-            "Ei" => (1 << 60, 0, Format::BinarySi),
-            other if other.starts_with(['e', 'E']) => {
-                let e: i32 = other[1..]
-                    .parse()
-                    .map_err(|_| syntax("bad decimal exponent"))?;
-                if !(-100..=100).contains(&e) {
-                    return Err(overflow());
-                }
-                (1, e, Format::DecimalSi)
-            }
-            _ => return Err(syntax("unknown suffix")),
-        };
-        let value = mantissa.checked_mul(mult).ok_or_else(overflow)?;
-        let shift = 9 + exp10 - frac_digits;
-        let nanos = if shift >= 0 {
-            let p = 10i128.checked_pow(shift as u32).ok_or_else(overflow)?;
-            value.checked_mul(p).ok_or_else(overflow)?
-        } else {
-            let p = 10i128.checked_pow((-shift) as u32);
-            match p {
-                // Round up to the next nano-unit, as Kubernetes does.
-                Some(p) => (value + p - 1) / p,
-                None => i128::from(value > 0),
-            }
+        let exact = quantity::parse_exact(input)?;
+        let format = match exact.format() {
+            QuantityFormat::BinarySi => Format::BinarySi,
+            QuantityFormat::DecimalSi | QuantityFormat::DecimalExponent => Format::DecimalSi,
         };
         Ok(Qty {
-            nanos: if negative { -nanos } else { nanos },
+            nanos: exact.scaled(9)?,
             format,
         })
     }
 
-    /// Parses a k8s-openapi [`Quantity`].
+    /// Parses a k8s-openapi [`Quantity`]; surrounding spaces are ignored, as
+    /// the API server's JSON decoding does.
     pub fn from_quantity(q: &Quantity) -> Result<Qty, QuantityError> {
-        Qty::parse(&q.0)
+        Qty::parse(q.0.trim())
     }
 
     /// Nano-units.
@@ -315,6 +230,16 @@ mod tests {
         assert!(Qty::parse("").is_err());
         assert!(Qty::parse("1.2.3").is_err());
         assert!(Qty::parse("abc").is_err());
+        assert_eq!(Qty::parse("1n").unwrap().nanos(), 1);
+        assert_eq!(Qty::parse("0.1n").unwrap().nanos(), 1);
+        assert_eq!(Qty::parse("1e3").unwrap().to_string(), "1k");
+        // Go's ParseQuantity takes no spaces; decoding an API object trims them.
+        assert!(Qty::parse(" 1Gi").is_err());
+        let q = Quantity(" 1Gi ".into());
+        assert_eq!(Qty::from_quantity(&q).unwrap().to_string(), "1Gi");
+        // Above 2^63-1 is refused, naming the text.
+        let e = Qty::parse("9223372036854775808").unwrap_err();
+        assert!(e.to_string().contains("9223372036854775808"), "{e}");
     }
 
     #[test]

@@ -600,7 +600,7 @@ fn bad_inputs_are_named() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "ResourceSlice bad: spec.devices[0].capacity.mem.value: \"12XB\" is not a quantity: unknown suffix"
+        "ResourceSlice bad: spec.devices[0].capacity.mem.value: quantity \"12XB\" is malformed: unknown suffix (want n, u, m, k, M, G, T, P, E, Ki..Ei or e<n>)"
     );
     let inputs = setup(&["pools.yaml"]);
     let mut a = Allocator::new(&inputs).unwrap();

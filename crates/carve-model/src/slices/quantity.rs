@@ -82,11 +82,99 @@ pub enum QuantityError {
 const MAX_DIGITS: usize = 30;
 const MAX_EXP: i32 = 30;
 
+/// The suffix family a quantity is written in; Kubernetes prints values
+/// computed from a quantity in the same family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantityFormat {
+    /// `Ki`, `Mi`, ... `Ei`.
+    BinarySi,
+    /// No suffix, or `n`, `u`, `m`, `k`, `M`, ... `E`.
+    DecimalSi,
+    /// `e<n>` / `E<n>`.
+    DecimalExponent,
+}
+
+/// A quantity exactly as written, before any rounding: `±mantissa × 2^base2 ×
+/// 10^exp10`. [`parse_exact`] makes it; [`Exact::scaled`] rounds it to a
+/// precision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exact {
+    input: String,
+    negative: bool,
+    mantissa: i128,
+    base2: u32,
+    exp10: i32,
+    format: QuantityFormat,
+}
+
+impl Exact {
+    /// The suffix family.
+    #[must_use]
+    pub fn format(&self) -> QuantityFormat {
+        self.format
+    }
+
+    /// The value in units of 10^-`decimals` (3: milli-units, 9: nano-units),
+    /// rounded up away from zero like Kubernetes.
+    ///
+    /// # Errors
+    /// [`QuantityError::OutOfRange`] when the magnitude is above 2^63-1 or the
+    /// precision is too fine to compute exactly.
+    pub fn scaled(&self, decimals: u32) -> Result<i128, QuantityError> {
+        let range = || QuantityError::OutOfRange {
+            input: self.input.clone(),
+        };
+        if self.mantissa == 0 {
+            return Ok(0);
+        }
+        let decimals_i = i32::try_from(decimals).map_err(|_| range())?;
+        // value = mant * 2^base2 * 10^(exp10 + decimals)
+        let scale = self.exp10 + decimals_i;
+        let mut v = self
+            .mantissa
+            .checked_mul(1i128.checked_shl(self.base2).ok_or_else(range)?)
+            .ok_or_else(range)?;
+        if scale >= 0 {
+            v = v
+                .checked_mul(10i128.checked_pow(scale.unsigned_abs()).ok_or_else(range)?)
+                .ok_or_else(range)?;
+        } else {
+            // Divide in steps that fit an i128, rounding up each time; for
+            // positive integers ceil(ceil(x / a) / b) == ceil(x / (a * b)).
+            let mut left = scale.unsigned_abs();
+            while left > 0 {
+                let step = left.min(38);
+                let den = 10i128.pow(step);
+                v = v / den + i128::from(v % den != 0);
+                left -= step;
+            }
+        }
+        let limit = i128::from(i64::MAX)
+            .checked_mul(10i128.checked_pow(decimals).ok_or_else(range)?)
+            .ok_or_else(range)?;
+        if v.cmp(&limit) == Ordering::Greater {
+            return Err(range());
+        }
+        Ok(if self.negative { -v } else { v })
+    }
+}
+
 /// Parse a Kubernetes quantity string.
 ///
 /// # Errors
 /// [`QuantityError`] naming the text and what is wrong with it.
 pub fn parse_quantity(input: &str) -> Result<Amount, QuantityError> {
+    let milli = parse_exact(input)?.scaled(3)?;
+    Ok(Amount { milli })
+}
+
+/// Parse a Kubernetes quantity string into its exact value (the grammar of
+/// [`parse_quantity`], without rounding): for callers that need another
+/// precision or the suffix family.
+///
+/// # Errors
+/// [`QuantityError`] naming the text and what is wrong with it.
+pub fn parse_exact(input: &str) -> Result<Exact, QuantityError> {
     let bad = |why| QuantityError::Malformed {
         input: input.to_string(),
         why,
@@ -117,23 +205,23 @@ pub fn parse_quantity(input: &str) -> Result<Amount, QuantityError> {
         return Err(bad("no digits"));
     }
     // Base 2 or 10 exponent of the suffix.
-    let (base2, exp10): (u32, i32) = match suffix {
-        "" => (0, 0),
-        "n" => (0, -9),
-        "u" => (0, -6),
-        "m" => (0, -3),
-        "k" => (0, 3),
-        "M" => (0, 6),
-        "G" => (0, 9),
-        "T" => (0, 12),
-        "P" => (0, 15),
-        "E" => (0, 18),
-        "Ki" => (10, 0),
-        "Mi" => (20, 0),
-        "Gi" => (30, 0),
-        "Ti" => (40, 0),
-        "Pi" => (50, 0),
-        "Ei" => (60, 0),
+    let (base2, exp10, format): (u32, i32, QuantityFormat) = match suffix {
+        "" => (0, 0, QuantityFormat::DecimalSi),
+        "n" => (0, -9, QuantityFormat::DecimalSi),
+        "u" => (0, -6, QuantityFormat::DecimalSi),
+        "m" => (0, -3, QuantityFormat::DecimalSi),
+        "k" => (0, 3, QuantityFormat::DecimalSi),
+        "M" => (0, 6, QuantityFormat::DecimalSi),
+        "G" => (0, 9, QuantityFormat::DecimalSi),
+        "T" => (0, 12, QuantityFormat::DecimalSi),
+        "P" => (0, 15, QuantityFormat::DecimalSi),
+        "E" => (0, 18, QuantityFormat::DecimalSi),
+        "Ki" => (10, 0, QuantityFormat::BinarySi),
+        "Mi" => (20, 0, QuantityFormat::BinarySi),
+        "Gi" => (30, 0, QuantityFormat::BinarySi),
+        "Ti" => (40, 0, QuantityFormat::BinarySi),
+        "Pi" => (50, 0, QuantityFormat::BinarySi),
+        "Ei" => (60, 0, QuantityFormat::BinarySi),
         s if s.starts_with(['e', 'E']) => {
             let e = &s[1..];
             let digits = e.strip_prefix(['+', '-']).unwrap_or(e);
@@ -144,7 +232,7 @@ pub fn parse_quantity(input: &str) -> Result<Amount, QuantityError> {
             if v.unsigned_abs() > MAX_EXP as u64 {
                 return Err(range());
             }
-            (0, v as i32)
+            (0, v as i32, QuantityFormat::DecimalExponent)
         }
         _ => {
             return Err(bad(
@@ -159,31 +247,18 @@ pub fn parse_quantity(input: &str) -> Result<Amount, QuantityError> {
     if mant_digits.len() > MAX_DIGITS || frac.len() > MAX_DIGITS {
         return Err(bad("too many digits"));
     }
-    let mant: i128 = if mant_digits.is_empty() {
+    let mantissa: i128 = if mant_digits.is_empty() {
         0
     } else {
         mant_digits.parse().map_err(|_| range())?
     };
-    // milli = mant * 2^base2 * 10^(exp10 + 3 - frac.len())
-    let scale = exp10 + 3 - frac.len() as i32;
-    let mut num = mant.checked_mul(1i128 << base2).ok_or_else(range)?;
-    let mut den: i128 = 1;
-    if scale >= 0 {
-        num = num
-            .checked_mul(10i128.checked_pow(scale as u32).ok_or_else(range)?)
-            .ok_or_else(range)?;
-    } else {
-        den = 10i128.checked_pow((-scale) as u32).ok_or_else(range)?;
-    }
-    let mut milli = num / den;
-    if num % den != 0 {
-        milli += 1;
-    }
-    if milli.cmp(&(i128::from(i64::MAX) * 1000)) == Ordering::Greater {
-        return Err(range());
-    }
-    Ok(Amount {
-        milli: if negative { -milli } else { milli },
+    Ok(Exact {
+        input: input.to_string(),
+        negative,
+        mantissa,
+        base2,
+        exp10: exp10 - frac.len() as i32,
+        format,
     })
 }
 
@@ -267,6 +342,31 @@ mod tests {
             );
         }
         assert_eq!(milli("9223372036854775807"), i128::from(i64::MAX) * 1000);
+    }
+
+    #[test]
+    fn exact_values_scale_to_nanos_and_keep_the_suffix_family() {
+        let e = parse_exact("1.5Gi").unwrap();
+        assert_eq!(e.format(), QuantityFormat::BinarySi);
+        assert_eq!(e.scaled(9).unwrap(), 1_610_612_736 * 1_000_000_000);
+        assert_eq!(parse_exact("1n").unwrap().scaled(9).unwrap(), 1);
+        assert_eq!(parse_exact("1n").unwrap().scaled(3).unwrap(), 1);
+        assert_eq!(parse_exact("-0.5n").unwrap().scaled(9).unwrap(), -1);
+        assert_eq!(
+            parse_exact("2e3").unwrap().format(),
+            QuantityFormat::DecimalExponent
+        );
+        assert_eq!(
+            parse_exact("2k").unwrap().format(),
+            QuantityFormat::DecimalSi
+        );
+        assert_eq!(parse_exact("0e30").unwrap().scaled(9).unwrap(), 0);
+        let tiny = format!(".{}1e-30", "0".repeat(29));
+        assert_eq!(parse_exact(&tiny).unwrap().scaled(9).unwrap(), 1);
+        assert!(matches!(
+            parse_exact("16Ei").unwrap().scaled(9),
+            Err(QuantityError::OutOfRange { input }) if input == "16Ei"
+        ));
     }
 
     #[test]

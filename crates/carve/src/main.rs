@@ -4,6 +4,7 @@
 //! uses `anyhow`.
 
 mod advise;
+mod bench;
 mod explain;
 mod render;
 mod slices;
@@ -35,6 +36,12 @@ enum Command {
     Slices(slices::SlicesArgs),
     /// Say which devices a claim would get, or why it does not fit and what would make it fit.
     Explain(explain::ExplainArgs),
+    /// Print (JSON) everything the NVML backend reads: GPUs, MIG profiles, placements,
+    /// instances. Read-only: changes nothing on the GPUs.
+    NvmlProbe(NvmlArgs),
+    /// Benchmarks that print figures against carve's targets.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
     /// List the built-in GPU models (simulator fixtures) and their MIG profiles.
     Models,
     /// Run the Kubernetes API-server stand-in (resource.k8s.io/v1 slices, claims,
@@ -42,6 +49,26 @@ enum Command {
     Apiserver(ApiserverArgs),
     /// Recommend MIG, MPS or time-slicing for a workload mix, with the YAML to use.
     Advise(AdviseArgs),
+}
+
+/// Where NVML comes from.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NvmlArgs {
+    /// NVML library to load (a path, or a name the dynamic loader finds). The NVML
+    /// simulator is `libnvidia_ml_sim.so`.
+    #[arg(long, default_value = "libnvidia-ml.so.1", env = "CARVE_NVML_LIB")]
+    pub nvml_lib: std::path::PathBuf,
+    /// Root of the MIG capability files.
+    #[arg(long, default_value = "/proc/driver/nvidia")]
+    pub proc_driver_nvidia: std::path::PathBuf,
+}
+
+impl NvmlArgs {
+    /// Open the NVML backend.
+    pub fn open(&self) -> anyhow::Result<carve_nvml::NvmlBackend> {
+        let opts = carve_nvml::NvmlOptions { lib_path: Some(self.nvml_lib.clone()), proc_root: self.proc_driver_nvidia.clone() };
+        carve_nvml::NvmlBackend::open(opts).map_err(|e| anyhow::anyhow!("opening NVML from {}: {e}", self.nvml_lib.display()))
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -123,6 +150,13 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
             print!("{text}");
             Ok(if fits { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
+        Command::NvmlProbe(a) => {
+            let backend = a.open()?;
+            let probe = carve_nvml::probe(&backend)?;
+            println!("{}", serde_json::to_string_pretty(&probe)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(b) => bench::run(b),
         Command::Apiserver(a) => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async {

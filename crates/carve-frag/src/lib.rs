@@ -1,0 +1,27 @@
+//! The fragmentation benchmark behind `carve bench fragmentation`: replays the
+//! openb trace (Weng et al., ATC '23) mapped onto MIG profiles, with the
+//! Monte-Carlo inflation protocol of the FGD paper, and compares device-order
+//! policies (NVIDIA's name order, first-fit, best-fit, random, carve's order, a
+//! re-packing bound) by the compute slices they leave unallocated.
+//!
+//! It is a pure, synchronous library: it reads CSV files, simulates and writes
+//! one CSV. It is not a scheduler, talks to no cluster and no GPU. The node
+//! choice models kube-scheduler's default scoring; the device choice models the
+//! DRA allocator (first free device in published order). An optional churn mode
+//! ([`run_churn`]) adds Poisson arrivals and departures.
+
+pub mod bench;
+pub mod churn;
+pub mod error;
+pub mod mapping;
+pub mod rng;
+pub mod sim;
+pub mod trace;
+
+pub use bench::{
+    BenchConfig, BenchReport, Metric, REPORT_POINTS, Sample, parse_seeds, run, sample_nodes,
+};
+pub use churn::{ChurnConfig, ChurnReport, ChurnRow, run_churn};
+pub use error::FragError;
+pub use mapping::{Demand, InternalFrag, Mapper};
+pub use sim::{Policy, Totals};

@@ -1,0 +1,1019 @@
+//! The replay: a cluster of MIG GPUs, the scheduler's node choice, the DRA
+//! allocator's first-fit over a published device order, and the policies.
+
+use std::collections::HashMap;
+
+use carve_model::geometry::{Instance, Occupancy, layouts};
+use carve_model::order::{DeviceOrder, node_device_order, placement_order};
+use carve_model::{GpuSpec, Stranded};
+
+use crate::mapping::Demand;
+use crate::rng::SplitMix64;
+
+/// A device-order policy (or reference) compared by the benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Policy {
+    /// NVIDIA's driver: device names sorted as strings.
+    Name,
+    /// Lowest GPU, then lowest placement start.
+    FirstFit,
+    /// Dynamic reference, not a static order: the GPU with the least free
+    /// compute that still fits, then carve's placement rank inside it.
+    BestFit,
+    /// A random static order per node (seeded).
+    Random,
+    /// carve's static order ([`carve_model::order::DeviceOrder::Carve`]).
+    Carve,
+    /// Optimistic bound: carve's order, and when the task does not fit the node
+    /// as it is, every live instance of the node may be re-packed.
+    RepackBound,
+}
+
+impl Policy {
+    /// Every policy, in report order.
+    pub const ALL: [Policy; 6] = [
+        Policy::Name,
+        Policy::FirstFit,
+        Policy::BestFit,
+        Policy::Random,
+        Policy::Carve,
+        Policy::RepackBound,
+    ];
+
+    /// The label used in tables, CSV and on the command line.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            Policy::Name => "name",
+            Policy::FirstFit => "first-fit",
+            Policy::BestFit => "best-fit",
+            Policy::Random => "random",
+            Policy::Carve => "carve",
+            Policy::RepackBound => "repack-bound",
+        }
+    }
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.label() == s)
+            .ok_or_else(|| {
+                let all: Vec<&str> = Policy::ALL.iter().map(|p| p.label()).collect();
+                format!("unknown policy {s:?}; known: {}", all.join(", "))
+            })
+    }
+}
+
+/// A node as the replay sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct NodeCap {
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    pub gpus: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct StateInfo {
+    mask: u64,
+    fits: u64,
+    free_compute: u8,
+    free_memory: u8,
+    stranded: Stranded,
+}
+
+/// Per-GPU states by instance set, each computed once with [`Occupancy`]:
+/// which candidates still fit, free slices and stranded slices.
+#[derive(Debug)]
+pub(crate) struct Geometry<'s> {
+    spec: &'s GpuSpec,
+    cands: Vec<Instance>,
+    /// `cand_of[profile][start]`, `u8::MAX` when not a placement.
+    cand_of: Vec<Vec<u8>>,
+    profile_mask: Vec<u64>,
+    states: Vec<StateInfo>,
+    lookup: HashMap<u64, u32>,
+}
+
+impl<'s> Geometry<'s> {
+    pub fn new(spec: &'s GpuSpec) -> Self {
+        let mut cands = Vec::new();
+        let mut cand_of = vec![vec![u8::MAX; usize::from(spec.memory_slices)]; spec.profiles.len()];
+        let mut profile_mask = vec![0u64; spec.profiles.len()];
+        for (pi, p) in spec.profiles.iter().enumerate() {
+            for pl in &p.placements {
+                let k = cands.len();
+                assert!(k < 64, "more than 64 placements per GPU");
+                cand_of[pi][usize::from(pl.start)] = k as u8;
+                profile_mask[pi] |= 1 << k;
+                cands.push(Instance {
+                    profile: pi,
+                    start: pl.start,
+                });
+            }
+        }
+        let mut g = Self {
+            spec,
+            cands,
+            cand_of,
+            profile_mask,
+            states: Vec::new(),
+            lookup: HashMap::new(),
+        };
+        g.state(0);
+        g
+    }
+
+    /// The state id of the instance set `mask` (bit k = candidate k).
+    pub fn state(&mut self, mask: u64) -> u32 {
+        if let Some(&id) = self.lookup.get(&mask) {
+            return id;
+        }
+        let insts: Vec<Instance> = (0..self.cands.len())
+            .filter(|k| mask & (1 << k) != 0)
+            .map(|k| self.cands[k])
+            .collect();
+        let occ = Occupancy::with(self.spec, &insts)
+            .expect("the replay only places candidates its fit mask allows");
+        let mut fits = 0u64;
+        for (k, &c) in self.cands.iter().enumerate() {
+            if occ.check(c).is_ok() {
+                fits |= 1 << k;
+            }
+        }
+        let info = StateInfo {
+            mask,
+            fits,
+            free_compute: occ.free_compute_slices(),
+            free_memory: occ.free_memory_slices(),
+            stranded: occ.stranded(),
+        };
+        let id = self.states.len() as u32;
+        self.states.push(info);
+        self.lookup.insert(mask, id);
+        id
+    }
+
+    fn info(&self, id: u32) -> &StateInfo {
+        &self.states[id as usize]
+    }
+
+    fn fits(&self, id: u32, profile: usize) -> bool {
+        self.info(id).fits & self.profile_mask[profile] != 0
+    }
+
+    fn cand(&self, profile: usize, start: u8) -> u8 {
+        self.cand_of[profile][usize::from(start)]
+    }
+
+    /// The instances of a state.
+    pub fn instances(&self, id: u32) -> Vec<Instance> {
+        let m = self.info(id).mask;
+        (0..self.cands.len())
+            .filter(|k| m & (1 << k) != 0)
+            .map(|k| self.cands[k])
+            .collect()
+    }
+}
+
+/// Whether a multiset of profiles can be packed onto `g` empty GPUs, by
+/// depth-first search over the maximal per-GPU multisets (memoised).
+#[derive(Debug)]
+pub(crate) struct Repacker {
+    spec: GpuSpec,
+    /// Profiles tracked (positions in `GpuSpec::profiles`).
+    profiles: Vec<usize>,
+    compute: Vec<u32>,
+    gpu_compute: u32,
+    /// Maximal per-GPU multisets and one concrete layout of each.
+    maximal: Vec<(Vec<u16>, Vec<Instance>)>,
+    memo: HashMap<(Vec<u16>, u32), Option<u16>>,
+}
+
+impl Repacker {
+    pub fn new(spec: &GpuSpec, profiles: &[usize]) -> Self {
+        let k = profiles.len();
+        let mut sets: Vec<(Vec<u16>, Vec<Instance>)> = Vec::new();
+        for l in layouts(spec) {
+            if l.iter().any(|i| !profiles.contains(&i.profile)) {
+                continue;
+            }
+            let mut c = vec![0u16; k];
+            for i in &l {
+                let j = profiles.iter().position(|&p| p == i.profile).unwrap_or(0);
+                c[j] += 1;
+            }
+            if !sets.iter().any(|(s, _)| *s == c) {
+                sets.push((c, l));
+            }
+        }
+        let dominated = |a: &[u16], b: &[u16]| a != b && a.iter().zip(b).all(|(x, y)| x <= y);
+        let maximal: Vec<(Vec<u16>, Vec<Instance>)> = sets
+            .iter()
+            .filter(|(a, _)| !sets.iter().any(|(b, _)| dominated(a, b)))
+            .cloned()
+            .collect();
+        // Most compute first: the search finds dense packings sooner.
+        let compute: Vec<u32> = profiles
+            .iter()
+            .map(|&p| u32::from(spec.profiles[p].compute_slices))
+            .collect();
+        let mut maximal = maximal;
+        maximal.sort_by_key(|(c, _)| {
+            std::cmp::Reverse(
+                c.iter()
+                    .zip(&compute)
+                    .map(|(&n, &w)| u32::from(n) * w)
+                    .sum::<u32>(),
+            )
+        });
+        Self {
+            spec: spec.clone(),
+            profiles: profiles.to_vec(),
+            compute,
+            gpu_compute: u32::from(spec.compute_slices),
+            maximal,
+            memo: HashMap::new(),
+        }
+    }
+
+    fn slot(&self, profile: usize) -> Option<usize> {
+        self.profiles.iter().position(|&p| p == profile)
+    }
+
+    /// Whether `m` fits `g` GPUs; memoises the first maximal set that works.
+    fn solve(&mut self, m: &[u16], g: u32) -> bool {
+        if m.iter().all(|&x| x == 0) {
+            return true;
+        }
+        if g == 0 {
+            return false;
+        }
+        let need: u32 = m
+            .iter()
+            .zip(&self.compute)
+            .map(|(&n, &w)| u32::from(n) * w)
+            .sum();
+        if need > g * self.gpu_compute {
+            return false;
+        }
+        let key = (m.to_vec(), g);
+        if let Some(r) = self.memo.get(&key) {
+            return r.is_some();
+        }
+        let mut found = None;
+        for i in 0..self.maximal.len() {
+            let s = &self.maximal[i].0;
+            if !m.iter().zip(s).any(|(&a, &b)| a > 0 && b > 0) {
+                continue;
+            }
+            let rest: Vec<u16> = m
+                .iter()
+                .zip(s)
+                .map(|(&a, &b)| a.saturating_sub(b))
+                .collect();
+            if self.solve(&rest, g - 1) {
+                found = Some(i as u16);
+                break;
+            }
+        }
+        self.memo.insert(key, found);
+        found.is_some()
+    }
+
+    /// The same instances laid out as carve's order would place them, largest
+    /// first, each at its first free start in carve's per-GPU order; `gpu`
+    /// unchanged if that greedy layout does not hold them all.
+    fn canonical(&self, gpu: Vec<Instance>) -> Vec<Instance> {
+        let mut profs: Vec<usize> = gpu.iter().map(|i| i.profile).collect();
+        profs.sort_by_key(|&p| {
+            let pr = &self.spec.profiles[p];
+            std::cmp::Reverse((pr.compute_slices, pr.memory_slices))
+        });
+        let mut occ = Occupancy::new(&self.spec);
+        for p in profs {
+            let placed = placement_order(&self.spec, p, DeviceOrder::Carve)
+                .into_iter()
+                .any(|start| occ.place(Instance { profile: p, start }).is_ok());
+            if !placed {
+                return gpu;
+            }
+        }
+        occ.instances().to_vec()
+    }
+
+    /// A packing of `m` onto `g` GPUs: one instance list per GPU.
+    fn pack(&mut self, m: &[u16], g: u32) -> Option<Vec<Vec<Instance>>> {
+        if !self.solve(m, g) {
+            return None;
+        }
+        let mut rest = m.to_vec();
+        let mut out = Vec::new();
+        for left in (1..=g).rev() {
+            if rest.iter().all(|&x| x == 0) {
+                out.push(Vec::new());
+                continue;
+            }
+            let i = usize::from(self.memo.get(&(rest.clone(), left))?.as_ref().copied()?);
+            let (s, layout) = &self.maximal[i];
+            let mut take: Vec<u16> = rest.iter().zip(s).map(|(&a, &b)| a.min(b)).collect();
+            let mut gpu = Vec::new();
+            for inst in layout {
+                let j = self.slot(inst.profile)?;
+                if take[j] > 0 {
+                    take[j] -= 1;
+                    gpu.push(*inst);
+                }
+            }
+            for (r, &b) in rest.iter_mut().zip(s) {
+                *r = r.saturating_sub(b);
+            }
+            out.push(self.canonical(gpu));
+        }
+        Some(out)
+    }
+}
+
+/// Cluster totals sampled at each load point.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Tasks submitted so far.
+    pub tasks: u64,
+    /// Compute slices of all submitted tasks.
+    pub arrived_compute: u64,
+    /// Tasks placed.
+    pub placed: u64,
+    /// Compute slices in use.
+    pub used_compute: u64,
+    /// Memory slices in use.
+    pub used_memory: u64,
+    /// Stranded compute slices (sum of [`Occupancy::stranded`]).
+    pub stranded_compute: u64,
+    /// Stranded memory slices.
+    pub stranded_memory: u64,
+    /// Failed tasks per class.
+    pub failures: Vec<u64>,
+    /// Compute slices of the failed tasks, per class.
+    pub failed_compute: Vec<u64>,
+    /// Node re-packings so far (repack bound only).
+    pub repacks: u64,
+}
+
+/// One placement: (task position in the sequence, node, GPU on the node,
+/// profile, start).
+pub(crate) type Placed = (usize, usize, u32, usize, u8);
+
+/// One replay's result: the totals each time arrived load crossed k %.
+#[derive(Clone, Debug)]
+pub(crate) struct Trajectory {
+    /// `points[k - 1]` = totals when arrived load first reached k %.
+    pub points: Vec<Totals>,
+    /// Every placement made, `(task position, node, gpu, profile, start)`, when
+    /// asked for (tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub log: Vec<Placed>,
+    /// The instances on every GPU at the end (cluster-wide GPU order).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub final_gpus: Vec<Vec<Instance>>,
+}
+
+#[derive(Clone, Debug)]
+struct Node {
+    cpu_cap: u64,
+    mem_cap: u64,
+    cpu_used: u64,
+    mem_used: u64,
+    gpu0: usize,
+    gpus: u32,
+    /// GPUs where each profile has a free placement.
+    fit_count: Vec<u8>,
+    /// Live instances per tracked profile (repack bound).
+    counts: Vec<u16>,
+    /// Static order table.
+    order: usize,
+}
+
+/// Everything one replay needs that does not change during it.
+#[derive(Debug)]
+pub(crate) struct World<'a> {
+    pub spec: &'a GpuSpec,
+    pub nodes: &'a [NodeCap],
+    pub demands: &'a [Demand],
+    pub profiles: &'a [usize],
+    pub classes: usize,
+    pub compute_capacity: u64,
+}
+
+/// The state of one replay.
+pub(crate) struct Replay<'a, 'w> {
+    w: &'w World<'a>,
+    geo: Geometry<'a>,
+    repack: Option<Repacker>,
+    policy: Policy,
+    nodes: Vec<Node>,
+    gpu_state: Vec<u32>,
+    /// `tables[order][profile]` = `(gpu, candidate)` in published order.
+    tables: Vec<Vec<Vec<(u8, u8)>>>,
+    carve_starts: Vec<Vec<u8>>,
+    t: Totals,
+    rng: SplitMix64,
+    log: Option<Vec<Placed>>,
+}
+
+fn table(geo: &Geometry<'_>, spec: &GpuSpec, gpus: u32, order: DeviceOrder) -> Vec<Vec<(u8, u8)>> {
+    (0..spec.profiles.len())
+        .map(|p| {
+            node_device_order(spec, gpus, p, order)
+                .into_iter()
+                .map(|(g, s)| (g as u8, geo.cand(p, s)))
+                .collect()
+        })
+        .collect()
+}
+
+impl<'a, 'w> Replay<'a, 'w> {
+    pub fn new(w: &'w World<'a>, policy: Policy, seed: u64, log: bool) -> Self {
+        let geo = Geometry::new(w.spec);
+        let mut tables = Vec::new();
+        let mut by_gpus: HashMap<u32, usize> = HashMap::new();
+        let mut order_rng = SplitMix64::new(seed ^ 0x0bad_5eed_0f0d_e75e);
+        let static_order = match policy {
+            Policy::Name => DeviceOrder::Name,
+            Policy::FirstFit => DeviceOrder::FirstFit,
+            _ => DeviceOrder::Carve,
+        };
+        let mut nodes = Vec::with_capacity(w.nodes.len());
+        let mut gpu0 = 0;
+        for n in w.nodes {
+            let order = if policy == Policy::Random {
+                let mut t = table(&geo, w.spec, n.gpus, DeviceOrder::FirstFit);
+                for per_profile in &mut t {
+                    order_rng.shuffle(per_profile);
+                }
+                tables.push(t);
+                tables.len() - 1
+            } else {
+                *by_gpus.entry(n.gpus).or_insert_with(|| {
+                    tables.push(table(&geo, w.spec, n.gpus, static_order));
+                    tables.len() - 1
+                })
+            };
+            let gpus = u8::try_from(n.gpus).unwrap_or(u8::MAX);
+            nodes.push(Node {
+                cpu_cap: n.cpu_milli,
+                mem_cap: n.memory_mib,
+                cpu_used: 0,
+                mem_used: 0,
+                gpu0,
+                gpus: n.gpus,
+                fit_count: w.spec.profiles.iter().map(|_| gpus).collect(),
+                counts: vec![0; w.profiles.len()],
+                order,
+            });
+            gpu0 += n.gpus as usize;
+        }
+        let carve_starts = (0..w.spec.profiles.len())
+            .map(|p| placement_order(w.spec, p, DeviceOrder::Carve))
+            .collect();
+        let repack = (policy == Policy::RepackBound).then(|| Repacker::new(w.spec, w.profiles));
+        Self {
+            w,
+            geo,
+            repack,
+            policy,
+            nodes,
+            gpu_state: vec![0; gpu0],
+            tables,
+            carve_starts,
+            t: Totals {
+                failures: vec![0; w.classes],
+                failed_compute: vec![0; w.classes],
+                ..Totals::default()
+            },
+            rng: SplitMix64::new(seed ^ 0x7135_b4ea_c0ff_ee00),
+            log: log.then(Vec::new),
+        }
+    }
+
+    fn set_gpu(&mut self, gpu: usize, new: u32) {
+        let old = self.gpu_state[gpu];
+        let (o, n) = (*self.geo.info(old), *self.geo.info(new));
+        let cap_c = u64::from(self.w.spec.compute_slices);
+        let cap_m = u64::from(self.w.spec.memory_slices);
+        self.t.used_compute = self.t.used_compute + (cap_c - u64::from(n.free_compute))
+            - (cap_c - u64::from(o.free_compute));
+        self.t.used_memory = self.t.used_memory + (cap_m - u64::from(n.free_memory))
+            - (cap_m - u64::from(o.free_memory));
+        self.t.stranded_compute = self.t.stranded_compute + u64::from(n.stranded.compute_slices)
+            - u64::from(o.stranded.compute_slices);
+        self.t.stranded_memory = self.t.stranded_memory + u64::from(n.stranded.memory_slices)
+            - u64::from(o.stranded.memory_slices);
+        self.gpu_state[gpu] = new;
+    }
+
+    fn refresh(&mut self, node: usize) {
+        let n = &self.nodes[node];
+        let (g0, g) = (n.gpu0, n.gpus as usize);
+        let counts: Vec<u8> = (0..self.w.spec.profiles.len())
+            .map(|p| {
+                (g0..g0 + g)
+                    .filter(|&i| self.geo.fits(self.gpu_state[i], p))
+                    .count() as u8
+            })
+            .collect();
+        self.nodes[node].fit_count = counts;
+    }
+
+    fn with_added(&self, node: usize, d: &Demand) -> Option<Vec<u16>> {
+        let r = self.repack.as_ref()?;
+        let p = d.profile?;
+        let mut m = self.nodes[node].counts.clone();
+        m[r.slot(p)?] += u16::try_from(d.count).ok()?;
+        Some(m)
+    }
+
+    fn feasible(&mut self, node: usize, d: &Demand) -> bool {
+        let n = &self.nodes[node];
+        if n.cpu_used + d.cpu_milli > n.cpu_cap || n.mem_used + d.memory_mib > n.mem_cap {
+            return false;
+        }
+        let Some(p) = d.profile else { return true };
+        if u32::from(n.fit_count[p]) >= d.count {
+            return true;
+        }
+        let gpus = n.gpus;
+        match self.with_added(node, d) {
+            Some(m) => self.repack.as_mut().is_some_and(|r| r.solve(&m, gpus)),
+            None => false,
+        }
+    }
+
+    /// kube-scheduler default scoring for a pod with CPU and memory requests:
+    /// NodeResourcesFit LeastAllocated (cpu, memory, weight 1 each) plus
+    /// NodeResourcesBalancedAllocation (cpu, memory), both plugin weight 1, in
+    /// the scheduler's integer arithmetic.
+    fn score(&self, node: usize, d: &Demand) -> i64 {
+        let n = &self.nodes[node];
+        let cpu_req = n.cpu_used + d.cpu_milli;
+        let mem_req = n.mem_used + d.memory_mib;
+        let least = |req: u64, cap: u64| -> i64 {
+            if cap == 0 || req > cap {
+                0
+            } else {
+                ((cap - req) * 100 / cap) as i64
+            }
+        };
+        let fit = (least(cpu_req, n.cpu_cap) + least(mem_req, n.mem_cap)) / 2;
+        let frac = |req: u64, cap: u64| -> f64 {
+            if cap == 0 {
+                1.0
+            } else {
+                (req as f64 / cap as f64).min(1.0)
+            }
+        };
+        let std = (frac(cpu_req, n.cpu_cap) - frac(mem_req, n.mem_cap)).abs() / 2.0;
+        let balanced = ((1.0 - std) * 100.0) as i64;
+        fit + balanced
+    }
+
+    fn choose_node(&mut self, d: &Demand) -> Option<usize> {
+        let mut best: Option<(i64, usize)> = None;
+        let mut ties = 0u64;
+        for node in 0..self.nodes.len() {
+            if !self.feasible(node, d) {
+                continue;
+            }
+            let s = self.score(node, d);
+            match best {
+                Some((b, _)) if s < b => {}
+                Some((b, _)) if s == b => {
+                    ties += 1;
+                    if self.rng.below(ties) == 0 {
+                        best = Some((s, node));
+                    }
+                }
+                _ => {
+                    best = Some((s, node));
+                    ties = 1;
+                }
+            }
+        }
+        best.map(|(_, n)| n)
+    }
+
+    fn place_one(&mut self, pos: usize, node: usize, gpu: u32, profile: usize, start: u8) {
+        let gi = self.nodes[node].gpu0 + gpu as usize;
+        let cand = self.geo.cand(profile, start);
+        let st = self.gpu_state[gi];
+        debug_assert!(self.geo.info(st).fits & (1 << cand) != 0);
+        let mask = self.geo.info(st).mask | (1 << cand);
+        let new = self.geo.state(mask);
+        self.set_gpu(gi, new);
+        if let Some(l) = &mut self.log {
+            l.push((pos, node, gpu, profile, start));
+        }
+    }
+
+    /// The device the policy yields for one instance of `p` on `node`, if any.
+    fn pick(&self, node: usize, p: usize) -> Option<(u32, u8)> {
+        let n = &self.nodes[node];
+        match self.policy {
+            Policy::BestFit => {
+                let g = (0..n.gpus)
+                    .filter(|&g| self.geo.fits(self.gpu_state[n.gpu0 + g as usize], p))
+                    .min_by_key(|&g| {
+                        (
+                            self.geo
+                                .info(self.gpu_state[n.gpu0 + g as usize])
+                                .free_compute,
+                            g,
+                        )
+                    })?;
+                let fits = self.geo.info(self.gpu_state[n.gpu0 + g as usize]).fits;
+                self.carve_starts[p]
+                    .iter()
+                    .find(|&&s| fits & (1 << self.geo.cand(p, s)) != 0)
+                    .map(|&s| (g, s))
+            }
+            _ => self.tables[n.order][p]
+                .iter()
+                .find(|&&(g, c)| {
+                    self.geo.info(self.gpu_state[n.gpu0 + usize::from(g)]).fits & (1 << c) != 0
+                })
+                .map(|&(g, c)| (u32::from(g), self.geo.cands[usize::from(c)].start)),
+        }
+    }
+
+    fn repack_node(&mut self, pos: usize, node: usize, d: &Demand) -> bool {
+        let Some(m) = self.with_added(node, d) else {
+            return false;
+        };
+        let gpus = self.nodes[node].gpus;
+        let Some(packing) = self.repack.as_mut().and_then(|r| r.pack(&m, gpus)) else {
+            return false;
+        };
+        let g0 = self.nodes[node].gpu0;
+        self.t.repacks += 1;
+        for (g, insts) in packing.into_iter().enumerate() {
+            let mut mask = 0u64;
+            for i in &insts {
+                mask |= 1 << self.geo.cand(i.profile, i.start);
+            }
+            let new = self.geo.state(mask);
+            self.set_gpu(g0 + g, new);
+            if let Some(l) = &mut self.log {
+                for i in insts {
+                    l.push((pos, node, g as u32, i.profile, i.start));
+                }
+            }
+        }
+        true
+    }
+
+    /// Schedule one task; `None` when no node passes the filter.
+    pub fn submit(&mut self, pos: usize, d: &Demand) -> Option<Live> {
+        self.t.tasks += 1;
+        self.t.arrived_compute += u64::from(d.compute_slices);
+        let Some(node) = self.choose_node(d) else {
+            self.t.failures[d.class] += 1;
+            self.t.failed_compute[d.class] += u64::from(d.compute_slices);
+            return None;
+        };
+        let mut devices = Vec::new();
+        if let Some(p) = d.profile {
+            let fits_now = u32::from(self.nodes[node].fit_count[p]) >= d.count;
+            if fits_now {
+                for _ in 0..d.count {
+                    let Some((g, s)) = self.pick(node, p) else {
+                        unreachable!("fit count promised a free placement")
+                    };
+                    self.place_one(pos, node, g, p, s);
+                    devices.push((self.nodes[node].gpu0 + g as usize, self.geo.cand(p, s)));
+                }
+            } else if !self.repack_node(pos, node, d) {
+                unreachable!("the node filter promised a re-packing")
+            }
+            if let Some(slot) = self.repack.as_ref().and_then(|r| r.slot(p)) {
+                self.nodes[node].counts[slot] += d.count as u16;
+            }
+            self.refresh(node);
+        }
+        let n = &mut self.nodes[node];
+        n.cpu_used += d.cpu_milli;
+        n.mem_used += d.memory_mib;
+        self.t.placed += 1;
+        Some(Live {
+            node,
+            demand: *d,
+            devices,
+        })
+    }
+
+    /// A placed task leaves: its CPU, RAM and instances are freed. Under the
+    /// repack bound instances may have moved, so any instance of the task's
+    /// profile on its node is removed (equivalent, since migration is allowed).
+    pub fn depart(&mut self, live: &Live) {
+        let d = &live.demand;
+        let node = live.node;
+        if let Some(p) = d.profile {
+            if self.repack.is_some() {
+                let (g0, g) = (self.nodes[node].gpu0, self.nodes[node].gpus as usize);
+                for _ in 0..d.count {
+                    let hit = (g0..g0 + g).find_map(|gi| {
+                        let m = self.geo.info(self.gpu_state[gi]).mask & self.geo.profile_mask[p];
+                        (m != 0).then(|| (gi, m.trailing_zeros() as u8))
+                    });
+                    if let Some((gi, c)) = hit {
+                        self.unplace(gi, c);
+                    }
+                }
+                if let Some(slot) = self.repack.as_ref().and_then(|r| r.slot(p)) {
+                    let c = &mut self.nodes[node].counts[slot];
+                    *c = c.saturating_sub(d.count as u16);
+                }
+            } else {
+                for &(gi, c) in &live.devices {
+                    self.unplace(gi, c);
+                }
+            }
+            self.refresh(node);
+        }
+        let n = &mut self.nodes[node];
+        n.cpu_used -= d.cpu_milli;
+        n.mem_used -= d.memory_mib;
+    }
+
+    fn unplace(&mut self, gi: usize, cand: u8) {
+        let mask = self.geo.info(self.gpu_state[gi]).mask;
+        debug_assert!(
+            mask & (1 << cand) != 0,
+            "removing an instance that is not there"
+        );
+        let new = self.geo.state(mask & !(1 << cand));
+        self.set_gpu(gi, new);
+    }
+
+    /// Cluster totals now.
+    pub fn totals(&self) -> &Totals {
+        &self.t
+    }
+}
+
+/// A placed task: where it went, so that it can leave again.
+#[derive(Clone, Debug)]
+pub(crate) struct Live {
+    node: usize,
+    demand: Demand,
+    /// `(cluster-wide GPU, candidate)` per device (empty after a re-packing).
+    devices: Vec<(usize, u8)>,
+}
+
+/// Replay `seq` (positions into `w.demands`) under `policy`, sampling totals at
+/// every whole percent of arrived compute load up to `max_pct`.
+pub(crate) fn replay(
+    w: &World<'_>,
+    policy: Policy,
+    seed: u64,
+    seq: &[u32],
+    max_pct: u32,
+    log: bool,
+) -> Trajectory {
+    let mut r = Replay::new(w, policy, seed, log);
+    let mut points = Vec::with_capacity(max_pct as usize);
+    let cap = w.compute_capacity;
+    for (pos, &i) in seq.iter().enumerate() {
+        r.submit(pos, &w.demands[i as usize]);
+        while (points.len() as u32) < max_pct
+            && r.t.arrived_compute * 100 >= (points.len() as u64 + 1) * cap
+        {
+            points.push(r.t.clone());
+        }
+    }
+    let final_gpus = r.gpu_state.iter().map(|&st| r.geo.instances(st)).collect();
+    Trajectory {
+        points,
+        log: r.log.unwrap_or_default(),
+        final_gpus,
+    }
+}
+
+/// Tasks drawn with replacement (uniformly over the rows, seeded) until their
+/// compute slices reach `max_pct` % of `capacity`.
+pub(crate) fn draw_sequence(
+    demands: &[Demand],
+    seed: u64,
+    capacity: u64,
+    max_pct: u32,
+) -> Vec<u32> {
+    let mut rng = SplitMix64::new(seed);
+    let mut seq = Vec::new();
+    let mut arrived = 0u64;
+    let target = capacity * u64::from(max_pct);
+    if demands.iter().all(|d| d.compute_slices == 0) {
+        return seq;
+    }
+    while arrived * 100 < target {
+        let i = rng.below(demands.len() as u64) as u32;
+        arrived += u64::from(demands[i as usize].compute_slices);
+        seq.push(i);
+    }
+    seq
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use carve_model::GpuModel;
+
+    fn h100() -> GpuSpec {
+        GpuModel::find("h100-80gb").unwrap().spec()
+    }
+
+    fn pidx(s: &GpuSpec, name: &str) -> usize {
+        s.profiles.iter().position(|p| p.name == name).unwrap()
+    }
+
+    fn demand(s: &GpuSpec, name: &str, class: usize) -> Demand {
+        let p = pidx(s, name);
+        Demand {
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            profile: Some(p),
+            count: 1,
+            compute_slices: u32::from(s.profiles[p].compute_slices),
+            memory_slices: u32::from(s.profiles[p].memory_slices),
+            requested_milli: 400,
+            class,
+        }
+    }
+
+    /// One node with two H100s; tasks 3g, 3g, 4g, 4g (by hand):
+    /// - name/first-fit: 3g→GPU0@0, 3g→GPU0@4 (3g+3g strands a slice), 4g→GPU1@0,
+    ///   the second 4g fails: 10 of 14 slices used, 1 stranded.
+    /// - carve: 3g→GPU0@4, 3g→GPU1@4, 4g→GPU0@0, 4g→GPU1@0: all 14 used.
+    #[test]
+    fn name_order_strands_where_carve_does_not() {
+        let s = h100();
+        let demands = vec![demand(&s, "3g.40gb", 0), demand(&s, "4g.40gb", 1)];
+        let nodes = vec![NodeCap {
+            cpu_milli: 64_000,
+            memory_mib: 1 << 20,
+            gpus: 2,
+        }];
+        let profiles = vec![pidx(&s, "3g.40gb"), pidx(&s, "4g.40gb")];
+        let w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 2,
+            compute_capacity: 14,
+        };
+        let seq = [0, 0, 1, 1];
+        let (p3, p4) = (pidx(&s, "3g.40gb"), pidx(&s, "4g.40gb"));
+        for pol in [Policy::Name, Policy::FirstFit] {
+            let tr = replay(&w, pol, 42, &seq, 1000, true);
+            let end = tr.points.last().unwrap();
+            assert_eq!(end.used_compute, 10, "{pol}");
+            assert_eq!(end.stranded_compute, 1, "{pol}");
+            assert_eq!(end.failures, vec![0, 1], "{pol}");
+            assert_eq!(
+                tr.log,
+                vec![(0, 0, 0, p3, 0), (1, 0, 0, p3, 4), (2, 0, 1, p4, 0)],
+                "{pol}"
+            );
+        }
+        for pol in [Policy::Carve, Policy::RepackBound] {
+            let tr = replay(&w, pol, 42, &seq, 1000, true);
+            let end = tr.points.last().unwrap();
+            assert_eq!((end.used_compute, end.stranded_compute), (14, 0), "{pol}");
+            assert_eq!(end.failures, vec![0, 0], "{pol}");
+            assert_eq!(
+                tr.log,
+                vec![
+                    (0, 0, 0, p3, 4),
+                    (1, 0, 1, p3, 4),
+                    (2, 0, 0, p4, 0),
+                    (3, 0, 1, p4, 0)
+                ],
+                "{pol}"
+            );
+        }
+    }
+
+    /// One H100 node, tasks 2g, 2g, 3g. carve: 2g@4, 2g@2, then 3g has no
+    /// free placement (@4 and @0 both overlap) and fails. The repack bound
+    /// re-packs the node to 3g@4 + 2g@2 + 2g@0 (7 of 7 slices) instead.
+    /// 3g, 3g, 1g: no layout holds 7 compute slices in 3g + 3g + 1g (3g + 3g
+    /// covers all memory slices), so both fail the 1g.
+    #[test]
+    fn repack_bound_migrates_only_when_needed() {
+        let s = h100();
+        let demands = vec![
+            demand(&s, "1g.10gb", 0),
+            demand(&s, "2g.20gb", 1),
+            demand(&s, "3g.40gb", 2),
+        ];
+        let nodes = vec![NodeCap {
+            cpu_milli: 64_000,
+            memory_mib: 1 << 20,
+            gpus: 1,
+        }];
+        let profiles = vec![
+            pidx(&s, "1g.10gb"),
+            pidx(&s, "2g.20gb"),
+            pidx(&s, "3g.40gb"),
+        ];
+        let w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 3,
+            compute_capacity: 7,
+        };
+        let (p2, p3) = (pidx(&s, "2g.20gb"), pidx(&s, "3g.40gb"));
+        let carve = replay(&w, Policy::Carve, 1, &[1, 1, 2], 1000, true);
+        assert_eq!(carve.log, vec![(0, 0, 0, p2, 4), (1, 0, 0, p2, 2)]);
+        let end = carve.points.last().unwrap();
+        assert_eq!(
+            (end.failures.clone(), end.used_compute, end.repacks),
+            (vec![0, 0, 1], 4, 0)
+        );
+
+        let rp = replay(&w, Policy::RepackBound, 1, &[1, 1, 2], 1000, true);
+        let end = rp.points.last().unwrap();
+        assert_eq!(
+            (end.failures.clone(), end.used_compute, end.repacks),
+            (vec![0, 0, 0], 7, 1)
+        );
+        let mut fin = rp.final_gpus[0].clone();
+        fin.sort();
+        let mut want = vec![
+            Instance {
+                profile: p3,
+                start: 4,
+            },
+            Instance {
+                profile: p2,
+                start: 2,
+            },
+            Instance {
+                profile: p2,
+                start: 0,
+            },
+        ];
+        want.sort();
+        assert_eq!(fin, want);
+
+        for pol in [Policy::Carve, Policy::RepackBound] {
+            let tr = replay(&w, pol, 1, &[2, 2, 0], 1000, false);
+            let end = tr.points.last().unwrap();
+            assert_eq!(
+                (end.failures.clone(), end.used_compute, end.stranded_compute),
+                (vec![1, 0, 0], 6, 1),
+                "{pol}"
+            );
+        }
+    }
+
+    #[test]
+    fn repacker_finds_packings_and_rejects_overfull_sets() {
+        let s = h100();
+        let profiles = vec![
+            pidx(&s, "1g.10gb"),
+            pidx(&s, "2g.20gb"),
+            pidx(&s, "3g.40gb"),
+            pidx(&s, "4g.40gb"),
+            pidx(&s, "7g.80gb"),
+        ];
+        let mut r = Repacker::new(&s, &profiles);
+        // 4g+3g, 4g+2g+1g on two GPUs.
+        let m = [1, 1, 1, 2, 0];
+        let packing = r.pack(&m, 2).expect("packs onto two GPUs");
+        let mut count = [0u16; 5];
+        for g in &packing {
+            Occupancy::with(&s, g).expect("a valid layout");
+            for i in g {
+                count[profiles.iter().position(|&p| p == i.profile).unwrap()] += 1;
+            }
+        }
+        assert_eq!(count, m);
+        assert!(r.pack(&m, 1).is_none());
+        // Two 4g need two GPUs; 3 × 3g need two GPUs; 8 × 1g need two GPUs.
+        assert!(!r.solve(&[0, 0, 0, 2, 0], 1));
+        assert!(!r.solve(&[0, 0, 3, 0, 0], 1));
+        assert!(r.solve(&[0, 0, 3, 0, 0], 2));
+        assert!(!r.solve(&[8, 0, 0, 0, 0], 1));
+        assert!(r.solve(&[7, 0, 0, 0, 0], 1));
+        assert!(!r.solve(&[0, 0, 0, 0, 1], 0));
+    }
+}

@@ -34,16 +34,56 @@ fn embedded_classes() -> anyhow::Result<Vec<Object>> {
     Ok(carve_alloc::parse_yaml_documents(Path::new("<built-in deviceclasses.yaml>"), DEVICE_CLASSES)?)
 }
 
-/// Build the allocator inputs and the claim; returns (text, fits).
-pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
-    let claim_objs = carve_alloc::load_yaml_documents(&args.claim)?;
-    let claim: ResourceClaim = claim_objs
+fn load_claim(path: &Path) -> anyhow::Result<ResourceClaim> {
+    carve_alloc::load_yaml_documents(path)?
         .into_iter()
         .find_map(|o| match o {
             Object::Claim(c) => Some(c),
             _ => None,
         })
-        .with_context(|| format!("{}: no ResourceClaim in the file", args.claim.display()))?;
+        .with_context(|| format!("{}: no ResourceClaim in the file", path.display()))
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DefragArgs {
+    /// Multi-document YAML: the ResourceSlices, DeviceClasses (the built-in ones if
+    /// none) and allocated ResourceClaims of the cluster state.
+    #[arg(long)]
+    pub state: PathBuf,
+    /// The ResourceClaim that should fit.
+    #[arg(long)]
+    pub request: PathBuf,
+    /// Node to make room on (defaults to the first node of the state).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `carve defrag`: the plan as text or JSON.
+pub fn defrag(args: &DefragArgs) -> anyhow::Result<String> {
+    let claim = load_claim(&args.request)?;
+    let mut objects = carve_alloc::load_yaml_documents(&args.state)?;
+    if !objects.iter().any(|o| matches!(o, Object::Class(_))) {
+        objects.extend(embedded_classes()?);
+    }
+    let (inputs, _) = Inputs::from_objects(objects);
+    let node = match &args.node {
+        Some(n) => n.clone(),
+        None => Allocator::new(&inputs)?
+            .node_names()
+            .into_iter()
+            .next()
+            .with_context(|| format!("{}: no node in the state", args.state.display()))?,
+    };
+    let plan = carve_alloc::plan_defrag(&inputs, &claim, &node)?;
+    Ok(if args.json { serde_json::to_string_pretty(&plan)? + "\n" } else { format!("{plan}\n") })
+}
+
+/// Build the allocator inputs and the claim; returns (text, fits).
+pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
+    let claim = load_claim(&args.claim)?;
     let mut objects = match &args.slices {
         Some(p) => carve_alloc::load_yaml_documents(p)?,
         None => {

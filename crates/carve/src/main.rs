@@ -42,6 +42,9 @@ enum Command {
     /// Benchmarks that print figures against carve's targets.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Plan the smallest set of claim moves that would let a request fit (a plan only:
+    /// nothing is evicted).
+    Defrag(explain::DefragArgs),
     /// List the built-in GPU models (simulator fixtures) and their MIG profiles.
     Models,
     /// Run the Kubernetes API-server stand-in (resource.k8s.io/v1 slices, claims,
@@ -157,6 +160,10 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(b) => bench::run(b),
+        Command::Defrag(a) => {
+            print!("{}", explain::defrag(&a)?);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Apiserver(a) => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async {

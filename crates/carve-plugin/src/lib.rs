@@ -1,1 +1,42 @@
-//! carve-plugin
+//! The carve kubelet plugin: registers with kubelet over the plugin-registration
+//! socket, serves the DRA `DRAPlugin` service (v1 and v1beta1) on `dra.sock`, and
+//! prepares claims by creating MIG GPU/compute instances at the exact placement
+//! the scheduler allocated, writing one transient CDI spec per claim and a
+//! crash-safe checkpoint. At start it converges from NVML truth (see
+//! [`Driver::recover`]).
+//!
+//! With a pod UID configured (rolling update) two plugin pods may serve at
+//! once; each operation then holds an exclusive lock on `<checkpoint>.lock` and
+//! reloads the checkpoint first, so the pods share one state.
+//!
+//! It is not the ResourceSlice publisher (`carve-kube`), not an NVML binding
+//! (`carve-nvml`), and does not serve the DRA health service, MPS or time-slicing
+//! devices (those device names are rejected per claim).
+
+mod cdi;
+mod checkpoint;
+mod claim;
+mod config;
+mod driver;
+mod error;
+mod fsutil;
+mod server;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use cdi::{
+    CDI_KIND, CdiDevice, CdiError, CdiSpec, ContainerEdits as CdiContainerEdits,
+    DeviceNode as CdiDeviceNode, claim_spec_path,
+};
+pub use checkpoint::{
+    CHECKPOINT_API_VERSION, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState,
+    DeviceRecord, PreparedKind,
+};
+pub use claim::{ClaimRef, InvalidClaim, PreparedDevice};
+pub use config::{
+    ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, OPAQUE_API_VERSION,
+    OpaqueConfig, PluginConfig, Retry, WriteFault,
+};
+pub use driver::{ClaimError, Driver, RecoveryReport};
+pub use error::PluginError;
+pub use server::{Registration, Serving, SocketPaths, run, serve};

@@ -1,0 +1,2012 @@
+//! The driver: prepare and unprepare claims against the GPUs, keep the
+//! checkpoint and CDI specs, and converge from NVML truth at start.
+//!
+//! Locking: one async mutex per GPU serialises NVML work on that GPU (taken in
+//! ascending GPU order); the checkpoint mutex is taken inside GPU locks and is
+//! never held across NVML calls; one mutex per claim UID makes repeated calls
+//! for the same claim idempotent. NVML calls run in `spawn_blocking`.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use carve_gpu::{BackendError, Disposition, GpuBackend, GpuInfo, GpuInstanceInfo};
+use carve_model::{DeviceName, MigProfile, NameError, Placement};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+
+use crate::cdi::{self, CdiDevice, CdiError, CdiSpec};
+use crate::checkpoint::{
+    Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState, DeviceRecord,
+    PreparedKind, move_aside,
+};
+use crate::claim::{ClaimRef, InvalidClaim, PreparedDevice};
+use crate::config::{
+    ConfigError, GpuPolicy, PluginConfig, Retry, capabilities_env, effective_capabilities,
+    parse_configs,
+};
+use crate::error::PluginError;
+
+/// Why one claim could not be prepared or unprepared. Reported in that claim's
+/// `error` field; other claims of the same call are unaffected.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// Kubelet sent a claim with an empty field.
+    #[error(transparent)]
+    Invalid(#[from] InvalidClaim),
+    /// The ResourceClaim does not exist.
+    #[error("ResourceClaim {namespace}/{name} not found")]
+    NotFound {
+        /// Namespace.
+        namespace: String,
+        /// Name.
+        name: String,
+    },
+    /// The ResourceClaim has another UID than kubelet asked for.
+    #[error("claim got replaced: ResourceClaim has UID {found}, kubelet asked for {expected}")]
+    Replaced {
+        /// UID kubelet sent.
+        expected: String,
+        /// UID on the server.
+        found: String,
+    },
+    /// The ResourceClaim has no allocation.
+    #[error("ResourceClaim is not allocated")]
+    NotAllocated,
+    /// A device of this driver is allocated from another node's pool.
+    #[error("device {device} is allocated from pool {pool:?}, not this node's pool {ours:?}")]
+    OtherPool {
+        /// Device.
+        device: String,
+        /// Its pool.
+        pool: String,
+        /// This node's pool.
+        ours: String,
+    },
+    /// A device name is not one of carve's.
+    #[error(transparent)]
+    BadDeviceName(#[from] NameError),
+    /// A device kind this plugin does not prepare (MPS, time-slicing).
+    #[error("device {device}: {kind} devices are not supported by this plugin")]
+    Unsupported {
+        /// Device.
+        device: String,
+        /// Kind.
+        kind: &'static str,
+    },
+    /// The device names a GPU index this node does not have.
+    #[error("device {device}: this node has no GPU {gpu}")]
+    NoSuchGpu {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+    },
+    /// A MIG device on a GPU without MIG support.
+    #[error("device {device}: GPU {gpu} ({uuid}) is not MIG-capable")]
+    NotMigCapable {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// GPU UUID.
+        uuid: String,
+    },
+    /// The GPU has no such MIG profile.
+    #[error("device {device}: GPU {gpu} has no MIG profile {profile}")]
+    NoSuchProfile {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// Profile name.
+        profile: String,
+    },
+    /// The profile cannot start at that memory slice.
+    #[error(
+        "device {device}: profile {profile} cannot be placed at slice {start} (allowed starts: {allowed:?})"
+    )]
+    BadPlacement {
+        /// Device.
+        device: String,
+        /// Profile name.
+        profile: String,
+        /// Requested start.
+        start: u8,
+        /// Allowed starts.
+        allowed: Vec<u8>,
+    },
+    /// The placement overlaps an existing instance.
+    #[error("device {device}: placement {placement} on GPU {gpu} is occupied by {by}")]
+    Occupied {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// The wanted placement.
+        placement: Placement,
+        /// What occupies it.
+        by: String,
+    },
+    /// The GPU is prepared as a whole GPU for another claim.
+    #[error("device {device}: GPU {gpu} is held as a whole GPU by claim {by}")]
+    GpuHeld {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// The holder.
+        by: String,
+    },
+    /// A whole GPU was asked for but MIG instances exist on it.
+    #[error("device {device}: GPU {gpu} still has MIG instances: {instances}")]
+    GpuHasInstances {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// The instances.
+        instances: String,
+    },
+    /// Static GPU without an instance at the allocated placement.
+    #[error("device {device}: static GPU {gpu} has no {profile} instance at placement {placement}")]
+    StaticMissing {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// Profile.
+        profile: String,
+        /// Placement.
+        placement: Placement,
+    },
+    /// Enabling MIG mode needs a GPU reset first.
+    #[error(
+        "GPU {gpu}: MIG mode is off and enabling it needs a GPU reset on this architecture; enable MIG mode ahead of time"
+    )]
+    MigPending {
+        /// GPU index.
+        gpu: u32,
+    },
+    /// Invalid opaque configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An NVML operation failed.
+    #[error("{op}: {source}")]
+    Backend {
+        /// What was being done.
+        op: String,
+        /// The error.
+        #[source]
+        source: BackendError,
+    },
+    /// An instance stayed in use through every retry.
+    #[error("{op}: still in use after {attempts} attempts: {source}")]
+    Busy {
+        /// What was being done.
+        op: String,
+        /// Attempts made.
+        attempts: u32,
+        /// The last error.
+        #[source]
+        source: BackendError,
+    },
+    /// The API server call failed.
+    #[error("API server: {what}: {source}")]
+    Kube {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: Box<kube::Error>,
+    },
+    /// The checkpoint could not be written.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The CDI spec could not be written or removed.
+    #[error(transparent)]
+    Cdi(#[from] CdiError),
+    /// A blocking task failed.
+    #[error("blocking task: {0}")]
+    Task(String),
+}
+
+/// What recovery found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Completed claims kept.
+    pub kept: Vec<String>,
+    /// Half-prepared or half-unprepared claims rolled back.
+    pub rolled_back: Vec<String>,
+    /// Claims adopted from the API server after a corrupt checkpoint.
+    pub adopted: Vec<String>,
+    /// Instances destroyed by the orphan sweep, as `gpu/gi`.
+    pub swept: Vec<String>,
+    /// CDI specs rewritten because they were missing or different.
+    pub cdi_rewritten: Vec<String>,
+    /// Completed claims whose MIG instance is gone (kept; unprepare will succeed).
+    pub missing_instances: Vec<String>,
+    /// The checkpoint was from another boot and was discarded.
+    pub discarded_other_boot: bool,
+    /// Where an unusable checkpoint was moved.
+    pub moved_aside: Option<PathBuf>,
+}
+
+#[derive(Debug)]
+struct GpuRuntime {
+    mig_current: bool,
+}
+
+#[derive(Debug)]
+struct Gpu {
+    info: GpuInfo,
+    profiles: Vec<MigProfile>,
+    policy: GpuPolicy,
+    rt: tokio::sync::Mutex<GpuRuntime>,
+}
+
+/// The claim-preparing core, independent of gRPC.
+pub struct Driver {
+    config: Arc<PluginConfig>,
+    backend: Arc<dyn GpuBackend>,
+    client: kube::Client,
+    gpus: BTreeMap<u32, Arc<Gpu>>,
+    state: tokio::sync::Mutex<CheckpointBody>,
+    claim_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    boot_id: String,
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("node", &self.config.node_name)
+            .field("gpus", &self.gpus.len())
+            .field("boot_id", &self.boot_id)
+            .finish_non_exhaustive()
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn backend_err(op: impl Into<String>) -> impl FnOnce(BackendError) -> ClaimError {
+    let op = op.into();
+    move |source| ClaimError::Backend { op, source }
+}
+
+/// Call `f` until it succeeds, reports already-done, or fails fatally;
+/// `IN_USE` is retried with backoff. Blocking.
+fn with_retry(
+    retry: Retry,
+    op: &str,
+    mut f: impl FnMut() -> Result<(), BackendError>,
+) -> Result<(), ClaimError> {
+    let mut delay = retry.initial;
+    let attempts = retry.attempts.max(1);
+    for n in 1..=attempts {
+        match f() {
+            Ok(()) => return Ok(()),
+            Err(e) => match e.disposition() {
+                Disposition::AlreadyDone => return Ok(()),
+                Disposition::Retry if n < attempts => {
+                    tracing::warn!(op, attempt = n, error = %e, "in use; retrying");
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(retry.max);
+                }
+                Disposition::Retry => {
+                    return Err(ClaimError::Busy {
+                        op: op.to_string(),
+                        attempts,
+                        source: e,
+                    });
+                }
+                Disposition::Fatal => {
+                    return Err(ClaimError::Backend {
+                        op: op.to_string(),
+                        source: e,
+                    });
+                }
+            },
+        }
+    }
+    Ok(())
+}
+
+/// Destroy a GPU instance and its compute instances. Blocking.
+fn destroy_instance(
+    backend: &dyn GpuBackend,
+    retry: Retry,
+    gpu: u32,
+    gi: &GpuInstanceInfo,
+) -> Result<(), ClaimError> {
+    for ci in &gi.compute_instances {
+        with_retry(
+            retry,
+            &format!(
+                "destroy compute instance {} of GPU {gpu} GI {}",
+                ci.id, gi.id
+            ),
+            || backend.destroy_compute_instance(gpu, gi.id, ci.id),
+        )?;
+    }
+    with_retry(retry, &format!("destroy GPU {gpu} GI {}", gi.id), || {
+        backend.destroy_gpu_instance(gpu, gi.id)
+    })
+}
+
+fn describe(gi: &GpuInstanceInfo, profiles: &[MigProfile]) -> String {
+    let p = profiles.iter().find(|p| p.id == gi.profile_id).map_or_else(
+        || format!("profile id {}", gi.profile_id),
+        |p| p.name.clone(),
+    );
+    format!("GPU instance {} ({p} at {})", gi.id, gi.placement)
+}
+
+/// A device of a claim after validation, before any hardware change.
+#[derive(Debug, Clone)]
+struct Planned {
+    record: DeviceRecord,
+}
+
+impl Driver {
+    /// Read the GPU inventory (once; the hot path never re-enumerates).
+    ///
+    /// # Errors
+    /// NVML failures.
+    pub async fn new(
+        config: PluginConfig,
+        backend: Arc<dyn GpuBackend>,
+        client: kube::Client,
+    ) -> Result<Self, PluginError> {
+        let b = backend.clone();
+        let policies: BTreeMap<u32, GpuPolicy> = config.gpu_policy.clone();
+        let default = config.default_policy;
+        let inv = blocking(
+            move || -> Result<Vec<(GpuInfo, Vec<MigProfile>)>, PluginError> {
+                let mut out = Vec::new();
+                for g in b.gpus().map_err(|source| PluginError::Backend {
+                    op: "list GPUs".into(),
+                    source,
+                })? {
+                    let profiles = if g.mig_capable {
+                        b.profiles(g.index).map_err(|source| PluginError::Backend {
+                            op: format!("MIG profiles of GPU {}", g.index),
+                            source,
+                        })?
+                    } else {
+                        Vec::new()
+                    };
+                    out.push((g, profiles));
+                }
+                Ok(out)
+            },
+        )
+        .await
+        .map_err(|reason| PluginError::Task {
+            what: "GPU inventory",
+            reason,
+        })??;
+        let gpus = inv
+            .into_iter()
+            .map(|(info, profiles)| {
+                let policy = policies.get(&info.index).copied().unwrap_or(default);
+                let mig_current = info.mig_mode.is_some_and(|m| m.current);
+                (
+                    info.index,
+                    Arc::new(Gpu {
+                        info,
+                        profiles,
+                        policy,
+                        rt: tokio::sync::Mutex::new(GpuRuntime { mig_current }),
+                    }),
+                )
+            })
+            .collect();
+        let boot_id = std::fs::read_to_string(&config.boot_id_path)
+            .map_err(|source| PluginError::Io {
+                what: "reading boot id",
+                path: config.boot_id_path.clone(),
+                source,
+            })?
+            .trim()
+            .to_string();
+        Ok(Self {
+            config: Arc::new(config),
+            backend,
+            client,
+            gpus,
+            state: tokio::sync::Mutex::new(CheckpointBody {
+                boot_id: boot_id.clone(),
+                ..Default::default()
+            }),
+            claim_locks: std::sync::Mutex::default(),
+            boot_id,
+        })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &PluginConfig {
+        &self.config
+    }
+
+    /// A copy of the in-memory checkpoint body.
+    pub async fn snapshot(&self) -> CheckpointBody {
+        self.state.lock().await.clone()
+    }
+
+    fn claim_lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self
+            .claim_locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.entry(uid.to_string()).or_default().clone()
+    }
+
+    fn drop_claim_lock(&self, uid: &str) {
+        let mut m = self
+            .claim_locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(l) = m.get(uid)
+            && Arc::strong_count(l) == 1
+        {
+            m.remove(uid);
+        }
+    }
+
+    async fn persist(&self, body: &CheckpointBody) -> Result<(), CheckpointError> {
+        let body = body.clone();
+        let path = self.config.checkpoint_path.clone();
+        let fault = self.config.write_fault;
+        blocking(move || Checkpoint::store(&body, &path, fault))
+            .await
+            .map_err(|e| CheckpointError::Io {
+                path: self.config.checkpoint_path.clone(),
+                source: std::io::Error::other(e),
+            })?
+    }
+
+    /// With a pod UID (rolling update: two plugin pods may run at once) every
+    /// operation holds an exclusive lock on `<checkpoint>.lock` and first
+    /// reloads the checkpoint another pod may have written. Without one, the
+    /// in-memory state is authoritative and no file lock is taken.
+    async fn host_lock(&self) -> std::io::Result<Option<std::fs::File>> {
+        if self.config.pod_uid.is_none() {
+            return Ok(None);
+        }
+        let mut name = self.config.checkpoint_path.as_os_str().to_owned();
+        name.push(".lock");
+        let path = PathBuf::from(name);
+        let file = blocking(move || -> std::io::Result<std::fs::File> {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)?;
+            f.lock()?;
+            Ok(f)
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        match Checkpoint::load(&self.config.checkpoint_path) {
+            Ok(Some(c)) => {
+                let mut st = self.state.lock().await;
+                if st.claims != c.body.claims
+                    || st.mig_enabled_by_plugin != c.body.mig_enabled_by_plugin
+                {
+                    st.claims = c.body.claims;
+                    st.mig_enabled_by_plugin = c.body.mig_enabled_by_plugin;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "reloading checkpoint under the host lock failed; keeping in-memory state")
+            }
+        }
+        Ok(Some(file))
+    }
+
+    fn prepared_devices(rec: &ClaimRecord) -> Vec<PreparedDevice> {
+        rec.devices
+            .iter()
+            .map(|d| PreparedDevice {
+                request_names: d.requests.clone(),
+                pool_name: d.pool.clone(),
+                device_name: d.device.clone(),
+                cdi_device_ids: cdi::device_name(&rec.uid, &d.device)
+                    .map(|n| vec![cdi::qualified(&n)])
+                    .unwrap_or_default(),
+                share_id: d.share_id.clone(),
+            })
+            .collect()
+    }
+
+    fn cdi_spec_for(rec: &ClaimRecord) -> Result<CdiSpec, CdiError> {
+        let mut devs = Vec::new();
+        let mut seen = BTreeSet::new();
+        for d in &rec.devices {
+            if !seen.insert(d.device.clone()) {
+                continue;
+            }
+            let (uuid, caps) = match &d.kind {
+                PreparedKind::Gpu => (d.gpu_uuid.clone(), Vec::new()),
+                PreparedKind::Mig {
+                    mig_uuid,
+                    cap_minors,
+                    ..
+                } => (mig_uuid.clone().unwrap_or_default(), cap_minors.clone()),
+            };
+            devs.push(CdiDevice {
+                name: cdi::device_name(&rec.uid, &d.device)?,
+                container_edits: cdi::edits(&uuid, d.gpu_minor, &caps, d.capabilities_env.clone()),
+            });
+        }
+        Ok(CdiSpec::new(devs))
+    }
+
+    /// Prepare claims concurrently; every claim gets a result.
+    pub async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)> {
+        let futs = claims.into_iter().map(|c| async move {
+            let r = self.prepare_one(&c).await;
+            if let Err(e) = &r {
+                tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "prepare failed");
+            }
+            (c, r)
+        });
+        futures::future::join_all(futs).await
+    }
+
+    /// Unprepare claims concurrently; every claim gets a result.
+    pub async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, Result<(), ClaimError>)> {
+        let futs = claims.into_iter().map(|c| async move {
+            let r = self.unprepare_one(&c.uid).await;
+            if let Err(e) = &r {
+                tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "unprepare failed");
+            }
+            (c, r)
+        });
+        futures::future::join_all(futs).await
+    }
+
+    /// Prepare one claim (idempotent).
+    ///
+    /// # Errors
+    /// See [`ClaimError`]; on error nothing stays created.
+    pub async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let lock = self.claim_lock(&claim.uid);
+        let guard = lock.lock().await;
+        let r = self.prepare_locked(claim).await;
+        drop(guard);
+        drop(lock);
+        self.drop_claim_lock(&claim.uid);
+        r
+    }
+
+    async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let _host = self.host_lock().await.map_err(|source| {
+            ClaimError::Checkpoint(CheckpointError::Io {
+                path: self.config.checkpoint_path.clone(),
+                source,
+            })
+        })?;
+        if let Some(rec) = self.state.lock().await.claims.get(&claim.uid)
+            && rec.state == ClaimState::PrepareCompleted
+        {
+            return Ok(Self::prepared_devices(rec));
+        }
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let rc = api
+            .get_opt(&claim.name)
+            .await
+            .map_err(|e| ClaimError::Kube {
+                what: format!("get ResourceClaim {}/{}", claim.namespace, claim.name),
+                source: Box::new(e),
+            })?
+            .ok_or_else(|| ClaimError::NotFound {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+            })?;
+        let found = rc.metadata.uid.clone().unwrap_or_default();
+        if found != claim.uid {
+            return Err(ClaimError::Replaced {
+                expected: claim.uid.clone(),
+                found,
+            });
+        }
+        let planned = self.plan(&rc)?;
+        let result = self.execute(claim, planned).await;
+        if let Ok(devs) = &result {
+            self.write_status(&api, &rc, claim).await;
+            tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
+        }
+        result
+    }
+
+    fn plan(&self, rc: &ResourceClaim) -> Result<Vec<Planned>, ClaimError> {
+        plan_claim(&self.config, &self.gpus, rc)
+    }
+
+    /// Check occupancy, record PrepareStarted, make the instances, write CDI and
+    /// PrepareCompleted. Rolls back on failure.
+    async fn execute(
+        &self,
+        claim: &ClaimRef,
+        planned: Vec<Planned>,
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let gpu_ids: BTreeSet<u32> = planned.iter().map(|p| p.record.gpu_index).collect();
+        let mut guards = Vec::new();
+        for id in &gpu_ids {
+            guards.push((*id, self.gpus[id].rt.lock().await));
+        }
+        // Snapshot NVML state of the involved MIG GPUs: instances and MIG mode
+        // (read fresh: an administrator or another plugin pod may change it).
+        let b = self.backend.clone();
+        let ids: Vec<u32> = gpu_ids
+            .iter()
+            .copied()
+            .filter(|g| self.gpus[g].info.mig_capable)
+            .collect();
+        let snap: BTreeMap<u32, (Vec<GpuInstanceInfo>, bool)> = blocking(move || {
+            ids.into_iter()
+                .map(|g| {
+                    let v = b
+                        .gpu_instances(g)
+                        .map_err(backend_err(format!("list GPU instances of GPU {g}")))?;
+                    let m = b
+                        .mig_mode(g)
+                        .map_err(backend_err(format!("read MIG mode of GPU {g}")))?;
+                    Ok((g, (v, m.current)))
+                })
+                .collect::<Result<_, ClaimError>>()
+        })
+        .await
+        .map_err(ClaimError::Task)??;
+        for (g, rt) in &mut guards {
+            if let Some((_, current)) = snap.get(g) {
+                rt.mig_current = *current;
+            }
+        }
+        let live: BTreeMap<u32, Vec<GpuInstanceInfo>> =
+            snap.into_iter().map(|(g, (v, _))| (g, v)).collect();
+
+        let mut enable_mig: Vec<u32> = Vec::new();
+        {
+            let mut st = self.state.lock().await;
+            self.check_occupancy(claim, &planned, &live, &st, &guards)?;
+            for (g, rt) in &guards {
+                let gpu = &self.gpus[g];
+                let wants_mig = planned.iter().any(|p| {
+                    p.record.gpu_index == *g && matches!(p.record.kind, PreparedKind::Mig { .. })
+                });
+                if wants_mig && !rt.mig_current {
+                    if gpu.policy == GpuPolicy::Static {
+                        // A static GPU with MIG off has no instances to hand out.
+                        let p = planned
+                            .iter()
+                            .find(|p| p.record.gpu_index == *g)
+                            .map(|p| p.record.clone());
+                        if let Some(DeviceRecord {
+                            device,
+                            kind:
+                                PreparedKind::Mig {
+                                    profile, placement, ..
+                                },
+                            ..
+                        }) = p
+                        {
+                            return Err(ClaimError::StaticMissing {
+                                device,
+                                gpu: *g,
+                                profile,
+                                placement,
+                            });
+                        }
+                    }
+                    if gpu.info.architecture.mig_mode_needs_reset() {
+                        return Err(ClaimError::MigPending { gpu: *g });
+                    }
+                    enable_mig.push(*g);
+                    st.mig_enabled_by_plugin.insert(gpu.info.uuid.clone());
+                }
+            }
+            st.claims.insert(
+                claim.uid.clone(),
+                ClaimRecord {
+                    uid: claim.uid.clone(),
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    state: ClaimState::PrepareStarted,
+                    cdi_spec: None,
+                    devices: planned.iter().map(|p| p.record.clone()).collect(),
+                },
+            );
+            if let Err(e) = self.persist(&st).await {
+                st.claims.remove(&claim.uid);
+                return Err(e.into());
+            }
+        }
+
+        // Hardware.
+        let b = self.backend.clone();
+        let retry = self.config.unprepare_retry;
+        let mut records: Vec<DeviceRecord> = planned.into_iter().map(|p| p.record).collect();
+        let live2 = live.clone();
+        let hw = blocking(move || {
+            let r = make_devices(&*b, retry, &enable_mig, &mut records, &live2);
+            (r, records)
+        })
+        .await;
+        let (hw, records) = match hw {
+            Ok(x) => x,
+            Err(e) => return Err(ClaimError::Task(e)),
+        };
+        let mig_now: Vec<u32> = match hw {
+            Ok(enabled) => enabled,
+            Err(e) => {
+                let mut st = self.state.lock().await;
+                st.claims.remove(&claim.uid);
+                if let Err(pe) = self.persist(&st).await {
+                    tracing::error!(claim.uid = %claim.uid, error = %pe, "checkpoint after rollback");
+                }
+                return Err(e);
+            }
+        };
+        for (g, rt) in &mut guards {
+            if mig_now.contains(g) {
+                rt.mig_current = true;
+            }
+        }
+
+        // CDI, then PrepareCompleted.
+        let mut rec = ClaimRecord {
+            uid: claim.uid.clone(),
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            state: ClaimState::PrepareCompleted,
+            cdi_spec: Some(cdi::claim_spec_path(&self.config.cdi_dir, &claim.uid)),
+            devices: records,
+        };
+        let finish = async {
+            let spec = Self::cdi_spec_for(&rec)?;
+            let path = rec.cdi_spec.clone().unwrap_or_default();
+            let fault = self.config.write_fault;
+            blocking(move || spec.write(&path, fault))
+                .await
+                .map_err(ClaimError::Task)??;
+            let mut st = self.state.lock().await;
+            let prev = st.claims.insert(claim.uid.clone(), rec.clone());
+            if let Err(e) = self.persist(&st).await {
+                if let Some(p) = prev {
+                    st.claims.insert(claim.uid.clone(), p);
+                }
+                return Err(ClaimError::from(e));
+            }
+            Ok::<_, ClaimError>(())
+        };
+        if let Err(e) = finish.await {
+            // Undo the hardware and the spec; keep the claim unprepared.
+            let b = self.backend.clone();
+            let devs = rec.devices.clone();
+            let _ = blocking(move || destroy_devices(&*b, retry, &devs)).await;
+            if let Some(p) = rec.cdi_spec.take() {
+                let _ = cdi::remove(&p);
+            }
+            let mut st = self.state.lock().await;
+            st.claims.remove(&claim.uid);
+            let _ = self.persist(&st).await;
+            return Err(e);
+        }
+        drop(guards);
+        Ok(Self::prepared_devices(&rec))
+    }
+
+    fn check_occupancy(
+        &self,
+        claim: &ClaimRef,
+        planned: &[Planned],
+        live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
+        st: &CheckpointBody,
+        _guards: &[(u32, tokio::sync::MutexGuard<'_, GpuRuntime>)],
+    ) -> Result<(), ClaimError> {
+        let owner_of = |gpu: u32, placement: Placement| -> Option<&ClaimRecord> {
+            st.claims.values().find(|c| {
+                c.uid != claim.uid
+                    && c.devices.iter().any(|d| {
+                        d.gpu_index == gpu
+                            && matches!(&d.kind, PreparedKind::Mig { placement: p, .. } if p.overlaps(placement))
+                    })
+            })
+        };
+        let whole_holder = |gpu: u32| -> Option<&ClaimRecord> {
+            st.claims.values().find(|c| {
+                c.uid != claim.uid
+                    && c.devices
+                        .iter()
+                        .any(|d| d.gpu_index == gpu && d.kind == PreparedKind::Gpu)
+            })
+        };
+        for p in planned {
+            let d = &p.record;
+            let g = d.gpu_index;
+            let gpu = &self.gpus[&g];
+            let instances = live.get(&g).map(Vec::as_slice).unwrap_or_default();
+            if let Some(h) = whole_holder(g) {
+                return Err(ClaimError::GpuHeld {
+                    device: d.device.clone(),
+                    gpu: g,
+                    by: format!("{}/{} ({})", h.namespace, h.name, h.uid),
+                });
+            }
+            match &d.kind {
+                PreparedKind::Gpu => {
+                    if let Some(o) = st
+                        .claims
+                        .values()
+                        .find(|c| c.uid != claim.uid && c.devices.iter().any(|x| x.gpu_index == g))
+                    {
+                        return Err(ClaimError::GpuHeld {
+                            device: d.device.clone(),
+                            gpu: g,
+                            by: format!(
+                                "{}/{} ({}) using its MIG devices",
+                                o.namespace, o.name, o.uid
+                            ),
+                        });
+                    }
+                    if !instances.is_empty() {
+                        return Err(ClaimError::GpuHasInstances {
+                            device: d.device.clone(),
+                            gpu: g,
+                            instances: instances
+                                .iter()
+                                .map(|i| describe(i, &gpu.profiles))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                        });
+                    }
+                }
+                PreparedKind::Mig {
+                    profile,
+                    profile_id,
+                    placement,
+                    ..
+                } => {
+                    if let Some(o) = owner_of(g, *placement) {
+                        return Err(ClaimError::Occupied {
+                            device: d.device.clone(),
+                            gpu: g,
+                            placement: *placement,
+                            by: format!("claim {}/{} ({})", o.namespace, o.name, o.uid),
+                        });
+                    }
+                    match gpu.policy {
+                        GpuPolicy::Dynamic => {
+                            if let Some(i) =
+                                instances.iter().find(|i| i.placement.overlaps(*placement))
+                            {
+                                return Err(ClaimError::Occupied {
+                                    device: d.device.clone(),
+                                    gpu: g,
+                                    placement: *placement,
+                                    by: format!(
+                                        "{} that carve does not know",
+                                        describe(i, &gpu.profiles)
+                                    ),
+                                });
+                            }
+                        }
+                        GpuPolicy::Static => {
+                            let exists = instances.iter().any(|i| {
+                                i.placement == *placement
+                                    && i.profile_id == *profile_id
+                                    && !i.compute_instances.is_empty()
+                            });
+                            if !exists {
+                                return Err(ClaimError::StaticMissing {
+                                    device: d.device.clone(),
+                                    gpu: g,
+                                    profile: profile.clone(),
+                                    placement: *placement,
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_status(&self, api: &Api<ResourceClaim>, rc: &ResourceClaim, claim: &ClaimRef) {
+        let devices = {
+            let st = self.state.lock().await;
+            match st.claims.get(&claim.uid) {
+                Some(r) => r.devices.clone(),
+                None => return,
+            }
+        };
+        let mut entries: Vec<serde_json::Value> = rc
+            .status
+            .as_ref()
+            .and_then(|s| s.devices.as_ref())
+            .map(|v| {
+                v.iter()
+                    .filter(|d| d.driver != self.config.driver_name)
+                    .filter_map(|d| serde_json::to_value(d).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        for d in &devices {
+            let data = match &d.kind {
+                PreparedKind::Gpu => serde_json::json!({"uuid": d.gpu_uuid}),
+                PreparedKind::Mig {
+                    profile,
+                    placement,
+                    gi,
+                    ci,
+                    mig_uuid,
+                    ..
+                } => serde_json::json!({
+                    "uuid": mig_uuid, "gpuUUID": d.gpu_uuid, "profile": profile,
+                    "placement": {"start": placement.start, "size": placement.size},
+                    "gpuInstanceID": gi, "computeInstanceID": ci,
+                }),
+            };
+            let mut e = serde_json::json!({
+                "driver": self.config.driver_name, "pool": d.pool, "device": d.device,
+                "conditions": [{"type": "Ready", "status": "True", "reason": "Prepared",
+                    "message": "prepared by the carve kubelet plugin", "lastTransitionTime": now}],
+                "data": data,
+            });
+            if let Some(s) = &d.share_id {
+                e["shareID"] = serde_json::json!(s);
+            }
+            entries.push(e);
+        }
+        let patch = serde_json::json!({"status": {"devices": entries}});
+        if let Err(e) = api
+            .patch_status(&claim.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            tracing::warn!(claim.uid = %claim.uid, claim = %claim, error = %e, "writing device status failed; prepare continues");
+        }
+    }
+
+    /// Unprepare one claim (idempotent: an unknown claim is done).
+    ///
+    /// # Errors
+    /// Instances that stay in use, NVML or file errors; the claim then stays
+    /// recorded and a retry continues where this one stopped.
+    pub async fn unprepare_one(&self, uid: &str) -> Result<(), ClaimError> {
+        let lock = self.claim_lock(uid);
+        let guard = lock.lock().await;
+        let _host = self.host_lock().await.map_err(|source| {
+            ClaimError::Checkpoint(CheckpointError::Io {
+                path: self.config.checkpoint_path.clone(),
+                source,
+            })
+        })?;
+        let rec = {
+            let mut st = self.state.lock().await;
+            let Some(rec) = st.claims.get_mut(uid) else {
+                drop(st);
+                drop(guard);
+                drop(lock);
+                self.drop_claim_lock(uid);
+                return Ok(());
+            };
+            if rec.state != ClaimState::UnprepareStarted {
+                rec.state = ClaimState::UnprepareStarted;
+                let r = rec.clone();
+                self.persist(&st).await?;
+                r
+            } else {
+                rec.clone()
+            }
+        };
+        let gpu_ids: BTreeSet<u32> = rec.devices.iter().map(|d| d.gpu_index).collect();
+        let mut guards = Vec::new();
+        for id in &gpu_ids {
+            if let Some(g) = self.gpus.get(id) {
+                guards.push((*id, g.rt.lock().await));
+            }
+        }
+        let b = self.backend.clone();
+        let retry = self.config.unprepare_retry;
+        let devs = rec.devices.clone();
+        blocking(move || destroy_devices(&*b, retry, &devs))
+            .await
+            .map_err(ClaimError::Task)??;
+        if let Some(p) = &rec.cdi_spec {
+            let p = p.clone();
+            blocking(move || cdi::remove(&p))
+                .await
+                .map_err(ClaimError::Task)??;
+        }
+        // The claim is gone; then return MIG mode where the plugin turned it
+        // on and nothing is left (GPU locks still held, checkpoint lock not
+        // held across NVML).
+        let restore: Vec<u32> = {
+            let mut st = self.state.lock().await;
+            st.claims.remove(uid);
+            self.persist(&st).await?;
+            guards
+                .iter()
+                .map(|(g, _)| *g)
+                .filter(|g| {
+                    let gpu = &self.gpus[g];
+                    st.mig_enabled_by_plugin.contains(&gpu.info.uuid)
+                        && !gpu.info.architecture.mig_mode_needs_reset()
+                        && !st
+                            .claims
+                            .values()
+                            .any(|c| c.devices.iter().any(|d| d.gpu_index == *g))
+                })
+                .collect()
+        };
+        let mut disabled = Vec::new();
+        for (g, rt) in &mut guards {
+            if !restore.contains(g) {
+                continue;
+            }
+            let b = self.backend.clone();
+            let gi = *g;
+            let r = blocking(move || -> Result<bool, BackendError> {
+                if b.gpu_instances(gi)?.is_empty() {
+                    b.set_mig_mode(gi, false)?;
+                    Ok(true)
+                } else {
+                    Ok(false)
+                }
+            })
+            .await
+            .map_err(ClaimError::Task)?;
+            match r {
+                Ok(true) => {
+                    rt.mig_current = false;
+                    disabled.push(self.gpus[g].info.uuid.clone());
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!(gpu = gi, error = %e, "disabling MIG mode failed"),
+            }
+        }
+        if !disabled.is_empty() {
+            let mut st = self.state.lock().await;
+            for u in &disabled {
+                st.mig_enabled_by_plugin.remove(u);
+            }
+            self.persist(&st).await?;
+        }
+        drop(guards);
+        drop(guard);
+        drop(lock);
+        self.drop_claim_lock(uid);
+        tracing::info!(claim.uid = %uid, "unprepared");
+        Ok(())
+    }
+
+    /// Unprepare claims whose ResourceClaim is gone or has another UID.
+    /// Returns the UIDs cleaned up.
+    pub async fn gc_once(&self) -> Vec<String> {
+        let claims: Vec<ClaimRecord> = {
+            let st = self.state.lock().await;
+            st.claims
+                .values()
+                .filter(|c| c.state == ClaimState::PrepareCompleted)
+                .cloned()
+                .collect()
+        };
+        let mut done = Vec::new();
+        for c in claims {
+            let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &c.namespace);
+            let stale = match api.get_opt(&c.name).await {
+                Ok(None) => true,
+                Ok(Some(rc)) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
+                Err(e) => {
+                    tracing::warn!(claim.uid = %c.uid, error = %e, "GC: reading claim failed");
+                    false
+                }
+            };
+            if stale {
+                match self.unprepare_one(&c.uid).await {
+                    Ok(()) => done.push(c.uid),
+                    Err(e) => {
+                        tracing::warn!(claim.uid = %c.uid, error = %e, "GC: unprepare failed")
+                    }
+                }
+            }
+        }
+        done
+    }
+
+    /// Converge from NVML truth and the checkpoint; see the crate docs.
+    ///
+    /// # Errors
+    /// NVML or file failures that leave the state unknown.
+    pub async fn recover(&self) -> Result<RecoveryReport, PluginError> {
+        let mut report = RecoveryReport::default();
+        let path = self.config.checkpoint_path.clone();
+        let _host = self.host_lock().await.map_err(|source| PluginError::Io {
+            what: "locking checkpoint",
+            path: path.clone(),
+            source,
+        })?;
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| PluginError::Io {
+                what: "creating checkpoint directory",
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        std::fs::create_dir_all(&self.config.cdi_dir).map_err(|source| PluginError::Io {
+            what: "creating CDI directory",
+            path: self.config.cdi_dir.clone(),
+            source,
+        })?;
+        let mut rebuild = false;
+        let mut body = match Checkpoint::load(&path) {
+            Ok(Some(c)) if c.body.boot_id == self.boot_id => c.body,
+            Ok(Some(c)) => {
+                tracing::warn!(old = %c.body.boot_id, new = %self.boot_id, "checkpoint from another boot: discarded");
+                report.discarded_other_boot = true;
+                CheckpointBody {
+                    boot_id: self.boot_id.clone(),
+                    mig_enabled_by_plugin: c.body.mig_enabled_by_plugin,
+                    claims: BTreeMap::new(),
+                }
+            }
+            Ok(None) => CheckpointBody {
+                boot_id: self.boot_id.clone(),
+                ..Default::default()
+            },
+            Err(e) => {
+                let aside = move_aside(&path).map_err(|source| PluginError::Io {
+                    what: "moving corrupt checkpoint aside",
+                    path: path.clone(),
+                    source,
+                })?;
+                tracing::error!(error = %e, aside = %aside.display(), "unusable checkpoint moved aside; rebuilding from NVML and the API server");
+                report.moved_aside = Some(aside);
+                rebuild = true;
+                CheckpointBody {
+                    boot_id: self.boot_id.clone(),
+                    ..Default::default()
+                }
+            }
+        };
+
+        // NVML truth.
+        let b = self.backend.clone();
+        let ids: Vec<u32> = self
+            .gpus
+            .values()
+            .filter(|g| g.info.mig_capable)
+            .map(|g| g.info.index)
+            .collect();
+        let mut live: BTreeMap<u32, Vec<GpuInstanceInfo>> = blocking(move || {
+            ids.into_iter()
+                .map(|g| {
+                    b.gpu_instances(g)
+                        .map(|v| (g, v))
+                        .map_err(|source| PluginError::Backend {
+                            op: format!("list GPU instances of GPU {g}"),
+                            source,
+                        })
+                })
+                .collect::<Result<_, _>>()
+        })
+        .await
+        .map_err(|reason| PluginError::Task {
+            what: "recovery",
+            reason,
+        })??;
+
+        // Keep completed claims, refreshing ids from NVML; drop the rest.
+        let mut kept = BTreeMap::new();
+        for (uid, mut rec) in std::mem::take(&mut body.claims) {
+            if rec.state != ClaimState::PrepareCompleted {
+                report.rolled_back.push(uid.clone());
+                if let Some(p) = &rec.cdi_spec {
+                    cdi::remove(p)?;
+                }
+                continue;
+            }
+            if !self.refresh_from_nvml(&mut rec, &live) {
+                report.missing_instances.push(uid.clone());
+            }
+            kept.insert(uid, rec);
+        }
+        if rebuild {
+            for rec in self.adopt_from_api(&live).await? {
+                report.adopted.push(rec.uid.clone());
+                kept.insert(rec.uid.clone(), rec);
+            }
+        }
+        report.kept = kept
+            .keys()
+            .filter(|k| !report.adopted.contains(k))
+            .cloned()
+            .collect();
+        body.claims = kept;
+
+        // Orphan sweep on dynamic GPUs.
+        let owned: BTreeSet<(u32, Placement, u32)> = body
+            .claims
+            .values()
+            .flat_map(|c| c.devices.iter())
+            .filter_map(|d| match &d.kind {
+                PreparedKind::Mig {
+                    placement,
+                    profile_id,
+                    ..
+                } => Some((d.gpu_index, *placement, *profile_id)),
+                PreparedKind::Gpu => None,
+            })
+            .collect();
+        let mut orphans: Vec<(u32, GpuInstanceInfo)> = Vec::new();
+        for (g, instances) in &live {
+            if self.gpus[g].policy != GpuPolicy::Dynamic {
+                continue;
+            }
+            for i in instances {
+                if !owned.contains(&(*g, i.placement, i.profile_id)) {
+                    orphans.push((*g, i.clone()));
+                }
+            }
+        }
+        let b = self.backend.clone();
+        let retry = self.config.unprepare_retry;
+        let o2 = orphans.clone();
+        blocking(move || -> Result<(), ClaimError> {
+            for (g, i) in &o2 {
+                destroy_instance(&*b, retry, *g, i)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|reason| PluginError::Task {
+            what: "orphan sweep",
+            reason,
+        })?
+        .map_err(|e| PluginError::Sweep {
+            source: Box::new(e),
+        })?;
+        for (g, i) in &orphans {
+            report.swept.push(format!("{g}/{}", i.id));
+            if let Some(v) = live.get_mut(g) {
+                v.retain(|x| x.id != i.id);
+            }
+        }
+
+        // MIG mode back where the plugin enabled it and nothing is left.
+        for gpu in self.gpus.values() {
+            let g = gpu.info.index;
+            let used = body
+                .claims
+                .values()
+                .any(|c| c.devices.iter().any(|d| d.gpu_index == g));
+            if !body.mig_enabled_by_plugin.contains(&gpu.info.uuid)
+                || gpu.info.architecture.mig_mode_needs_reset()
+                || used
+                || live.get(&g).is_some_and(|v| !v.is_empty())
+            {
+                continue;
+            }
+            let b = self.backend.clone();
+            match blocking(move || b.set_mig_mode(g, false)).await {
+                Ok(Ok(_)) => {
+                    body.mig_enabled_by_plugin.remove(&gpu.info.uuid);
+                }
+                Ok(Err(e)) => tracing::warn!(gpu = g, error = %e, "disabling MIG mode failed"),
+                Err(e) => tracing::warn!(gpu = g, error = %e, "disabling MIG mode failed"),
+            }
+        }
+        // Refresh cached MIG modes.
+        for gpu in self.gpus.values() {
+            if !gpu.info.mig_capable {
+                continue;
+            }
+            let b = self.backend.clone();
+            let g = gpu.info.index;
+            if let Ok(Ok(m)) = blocking(move || b.mig_mode(g)).await {
+                gpu.rt.lock().await.mig_current = m.current;
+            }
+        }
+
+        // CDI specs: verify or rewrite kept ones, remove every other spec of ours.
+        let mut wanted = BTreeSet::new();
+        for rec in body.claims.values_mut() {
+            let path = cdi::claim_spec_path(&self.config.cdi_dir, &rec.uid);
+            let spec = Self::cdi_spec_for(rec)?;
+            if CdiSpec::read(&path).as_ref() != Some(&spec) {
+                spec.write(&path, self.config.write_fault)?;
+                report.cdi_rewritten.push(rec.uid.clone());
+            }
+            rec.cdi_spec = Some(path.clone());
+            wanted.insert(path);
+        }
+        self.remove_stale_files(&wanted);
+
+        Checkpoint::store(&body, &path, self.config.write_fault)?;
+        *self.state.lock().await = body;
+        tracing::info!(?report, "recovery done");
+        Ok(report)
+    }
+
+    fn remove_stale_files(&self, wanted: &BTreeSet<PathBuf>) {
+        if let Ok(rd) = std::fs::read_dir(&self.config.cdi_dir) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let ours = name.starts_with("k8s.gpu.carve.dev-claim_")
+                    || name.starts_with(".k8s.gpu.carve.dev-claim_");
+                if ours && !wanted.contains(&e.path()) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let cp = &self.config.checkpoint_path;
+        if let (Some(dir), Some(name)) = (cp.parent(), cp.file_name()) {
+            let prefix = format!(".{}.tmp-", name.to_string_lossy());
+            if let Ok(rd) = std::fs::read_dir(dir) {
+                for e in rd.flatten() {
+                    if e.file_name().to_string_lossy().starts_with(&prefix) {
+                        let _ = std::fs::remove_file(e.path());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Update a completed claim's ids from NVML; false if an instance is gone.
+    fn refresh_from_nvml(
+        &self,
+        rec: &mut ClaimRecord,
+        live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
+    ) -> bool {
+        let mut all = true;
+        for d in &mut rec.devices {
+            if let PreparedKind::Mig {
+                placement,
+                profile_id,
+                gi,
+                ci,
+                mig_uuid,
+                ..
+            } = &mut d.kind
+            {
+                let found = live.get(&d.gpu_index).and_then(|v| {
+                    v.iter()
+                        .find(|i| i.placement == *placement && i.profile_id == *profile_id)
+                });
+                match found.and_then(|i| i.compute_instances.first().map(|c| (i.id, c))) {
+                    Some((gid, c)) => {
+                        *gi = Some(gid);
+                        *ci = Some(c.id);
+                        if c.mig_uuid.is_some() {
+                            mig_uuid.clone_from(&c.mig_uuid);
+                        }
+                    }
+                    None => all = false,
+                }
+            }
+        }
+        all
+    }
+
+    /// After a corrupt checkpoint: claims allocated to this node whose MIG
+    /// devices all match live instances become completed claims again.
+    async fn adopt_from_api(
+        &self,
+        live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
+    ) -> Result<Vec<ClaimRecord>, PluginError> {
+        let api: Api<ResourceClaim> = Api::all(self.client.clone());
+        let list = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| PluginError::Kube {
+                what: "list ResourceClaims".into(),
+                source: Box::new(e),
+            })?;
+        let mut out = Vec::new();
+        for rc in list.items {
+            let Ok(planned) = self.plan(&rc) else {
+                continue;
+            };
+            if planned.is_empty() {
+                continue;
+            }
+            let mut rec = ClaimRecord {
+                uid: rc.metadata.uid.clone().unwrap_or_default(),
+                namespace: rc.metadata.namespace.clone().unwrap_or_default(),
+                name: rc.metadata.name.clone().unwrap_or_default(),
+                state: ClaimState::PrepareCompleted,
+                cdi_spec: None,
+                devices: planned.into_iter().map(|p| p.record).collect(),
+            };
+            if !self.refresh_from_nvml(&mut rec, live) {
+                continue;
+            }
+            // Capability minors are not in NVML's instance list: read them.
+            let b = self.backend.clone();
+            let devs = rec.devices.clone();
+            let Ok(Ok(devs)) = blocking(move || -> Result<Vec<DeviceRecord>, BackendError> {
+                let mut devs = devs;
+                for d in &mut devs {
+                    if let PreparedKind::Mig {
+                        gi: Some(g),
+                        ci: Some(c),
+                        cap_minors,
+                        ..
+                    } = &mut d.kind
+                    {
+                        *cap_minors = vec![
+                            b.capability_minor(d.gpu_minor, *g, None)?,
+                            b.capability_minor(d.gpu_minor, *g, Some(*c))?,
+                        ];
+                    }
+                }
+                Ok(devs)
+            })
+            .await
+            else {
+                continue;
+            };
+            rec.devices = devs;
+            out.push(rec);
+        }
+        Ok(out)
+    }
+}
+
+/// Validate the allocation and turn it into device plans (pure, no I/O).
+fn plan_claim(
+    config: &PluginConfig,
+    gpus: &BTreeMap<u32, Arc<Gpu>>,
+    rc: &ResourceClaim,
+) -> Result<Vec<Planned>, ClaimError> {
+    let alloc = rc
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .ok_or(ClaimError::NotAllocated)?;
+    let devices = alloc.devices.as_ref();
+    let results = devices
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or_default();
+    let configs = devices
+        .and_then(|d| d.config.as_deref())
+        .unwrap_or_default();
+    let configs = parse_configs(&config.driver_name, configs)?;
+    let mut planned: Vec<Planned> = Vec::new();
+    for r in results.iter().filter(|r| r.driver == config.driver_name) {
+        if r.pool != config.pool_name {
+            return Err(ClaimError::OtherPool {
+                device: r.device.clone(),
+                pool: r.pool.clone(),
+                ours: config.pool_name.clone(),
+            });
+        }
+        let request = r
+            .request
+            .split('/')
+            .next()
+            .unwrap_or(&r.request)
+            .to_string();
+        if let Some(p) = planned
+            .iter_mut()
+            .find(|p| p.record.device == r.device && p.record.share_id == r.share_id)
+        {
+            if !p.record.requests.contains(&request) {
+                p.record.requests.push(request);
+            }
+            continue;
+        }
+        let name: DeviceName = r.device.parse()?;
+        let unsupported = |kind| ClaimError::Unsupported {
+            device: r.device.clone(),
+            kind,
+        };
+        let gpu_index = name.gpu();
+        let gpu = gpus.get(&gpu_index).ok_or_else(|| ClaimError::NoSuchGpu {
+            device: r.device.clone(),
+            gpu: gpu_index,
+        })?;
+        let kind = match &name {
+            DeviceName::Gpu { .. } => PreparedKind::Gpu,
+            DeviceName::Mig { .. } => {
+                if !gpu.info.mig_capable {
+                    return Err(ClaimError::NotMigCapable {
+                        device: r.device.clone(),
+                        gpu: gpu_index,
+                        uuid: gpu.info.uuid.clone(),
+                    });
+                }
+                let (profile, start) = name.mig_placement().unwrap_or_default();
+                let p = gpu
+                    .profiles
+                    .iter()
+                    .find(|p| p.name == profile)
+                    .ok_or_else(|| ClaimError::NoSuchProfile {
+                        device: r.device.clone(),
+                        gpu: gpu_index,
+                        profile: profile.clone(),
+                    })?;
+                let placement = p
+                    .placements
+                    .iter()
+                    .find(|pl| pl.start == start)
+                    .copied()
+                    .ok_or_else(|| ClaimError::BadPlacement {
+                        device: r.device.clone(),
+                        profile: profile.clone(),
+                        start,
+                        allowed: p.placements.iter().map(|pl| pl.start).collect(),
+                    })?;
+                PreparedKind::Mig {
+                    profile,
+                    profile_id: p.id,
+                    placement,
+                    created: gpu.policy == GpuPolicy::Dynamic,
+                    gi: None,
+                    ci: None,
+                    mig_uuid: None,
+                    cap_minors: Vec::new(),
+                }
+            }
+            DeviceName::Mps { .. } | DeviceName::MigMps { .. } => return Err(unsupported("MPS")),
+            DeviceName::TimeSlice { .. } => return Err(unsupported("time-sliced")),
+        };
+        let is_mig = matches!(kind, PreparedKind::Mig { .. });
+        let caps = effective_capabilities(&configs, &r.request, &r.device, is_mig)?;
+        planned.push(Planned {
+            record: DeviceRecord {
+                requests: vec![request],
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+                share_id: r.share_id.clone(),
+                gpu_index,
+                gpu_uuid: gpu.info.uuid.clone(),
+                gpu_minor: gpu.info.minor,
+                kind,
+                capabilities_env: caps.map(|c| capabilities_env(&c)),
+            },
+        });
+    }
+    // Two devices of one claim must not overlap either.
+    for (i, a) in planned.iter().enumerate() {
+        for b in &planned[..i] {
+            if a.record.gpu_index != b.record.gpu_index || a.record.device == b.record.device {
+                continue;
+            }
+            let clash = match (&a.record.kind, &b.record.kind) {
+                (
+                    PreparedKind::Mig { placement: x, .. },
+                    PreparedKind::Mig { placement: y, .. },
+                ) => x.overlaps(*y),
+                _ => true,
+            };
+            if clash {
+                return Err(ClaimError::Occupied {
+                    device: a.record.device.clone(),
+                    gpu: a.record.gpu_index,
+                    placement: match &a.record.kind {
+                        PreparedKind::Mig { placement, .. } => *placement,
+                        PreparedKind::Gpu => Placement::new(0, 0),
+                    },
+                    by: format!("device {} of the same claim", b.record.device),
+                });
+            }
+        }
+    }
+    Ok(planned)
+}
+
+/// Enable MIG where needed, then create or find each device's instances.
+/// Returns the GPUs whose MIG mode is now on. On error destroys what it
+/// created. Blocking.
+fn make_devices(
+    b: &dyn GpuBackend,
+    retry: Retry,
+    enable_mig: &[u32],
+    records: &mut [DeviceRecord],
+    live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
+) -> Result<Vec<u32>, ClaimError> {
+    let mut enabled = Vec::new();
+    for g in enable_mig {
+        let m = b
+            .set_mig_mode(*g, true)
+            .map_err(backend_err(format!("enable MIG mode on GPU {g}")))?;
+        if !m.current {
+            return Err(ClaimError::MigPending { gpu: *g });
+        }
+        enabled.push(*g);
+    }
+    // (gpu, gi, ci) made so far, for rollback.
+    let mut made: Vec<(u32, u32, Option<u32>)> = Vec::new();
+    let res = (|| {
+        for d in records.iter_mut() {
+            let g = d.gpu_index;
+            let minor = d.gpu_minor;
+            let device = d.device.clone();
+            let PreparedKind::Mig {
+                profile,
+                profile_id,
+                placement,
+                created: create,
+                gi,
+                ci,
+                mig_uuid,
+                cap_minors,
+            } = &mut d.kind
+            else {
+                continue;
+            };
+            let (gid, cid, uuid) = if *create {
+                let info =
+                    b.create_gpu_instance(g, *profile_id, *placement)
+                        .map_err(backend_err(format!(
+                            "create GPU instance {profile} at {placement} on GPU {g}"
+                        )))?;
+                made.push((g, info.id, None));
+                let c = b
+                    .create_compute_instance(g, info.id)
+                    .map_err(backend_err(format!(
+                        "create compute instance in GPU {g} GI {}",
+                        info.id
+                    )))?;
+                if let Some(last) = made.last_mut() {
+                    last.2 = Some(c.id);
+                }
+                (info.id, c.id, c.mig_uuid)
+            } else {
+                let (gid, c) = live
+                    .get(&g)
+                    .and_then(|v| {
+                        v.iter()
+                            .find(|i| i.placement == *placement && i.profile_id == *profile_id)
+                    })
+                    .and_then(|i| i.compute_instances.first().map(|c| (i.id, c.clone())))
+                    .ok_or_else(|| ClaimError::StaticMissing {
+                        device: device.clone(),
+                        gpu: g,
+                        profile: profile.clone(),
+                        placement: *placement,
+                    })?;
+                (gid, c.id, c.mig_uuid)
+            };
+            *gi = Some(gid);
+            *ci = Some(cid);
+            let Some(uuid) = uuid else {
+                return Err(ClaimError::Backend {
+                    op: format!("read MIG UUID of GPU {g} GI {gid} CI {cid}"),
+                    source: BackendError::NoSuch {
+                        what: format!("MIG UUID for GPU {g} GI {gid} CI {cid}"),
+                    },
+                });
+            };
+            *mig_uuid = Some(uuid);
+            *cap_minors = vec![
+                b.capability_minor(minor, gid, None)
+                    .map_err(backend_err(format!("capability of GPU {g} GI {gid}")))?,
+                b.capability_minor(minor, gid, Some(cid))
+                    .map_err(backend_err(format!(
+                        "capability of GPU {g} GI {gid} CI {cid}"
+                    )))?,
+            ];
+        }
+        Ok(())
+    })();
+    match res {
+        Ok(()) => Ok(enabled),
+        Err(e) => {
+            for (g, gi, ci) in made.iter().rev() {
+                let r = ci
+                    .map_or(Ok(()), |c| {
+                        with_retry(retry, "rollback: destroy compute instance", || {
+                            b.destroy_compute_instance(*g, *gi, c)
+                        })
+                    })
+                    .and_then(|()| {
+                        with_retry(retry, "rollback: destroy GPU instance", || {
+                            b.destroy_gpu_instance(*g, *gi)
+                        })
+                    });
+                if let Err(re) = r {
+                    tracing::error!(gpu = g, gi, error = %re, "rollback after failed prepare");
+                }
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Destroy the instances the plugin created for these devices (CI then GI),
+/// verifying by placement that the id still names the same instance.
+/// Blocking.
+fn destroy_devices(
+    b: &dyn GpuBackend,
+    retry: Retry,
+    devs: &[DeviceRecord],
+) -> Result<(), ClaimError> {
+    let mut cache: BTreeMap<u32, Vec<GpuInstanceInfo>> = BTreeMap::new();
+    for d in devs {
+        let PreparedKind::Mig {
+            placement,
+            profile_id,
+            created: true,
+            gi,
+            ci,
+            ..
+        } = &d.kind
+        else {
+            continue;
+        };
+        let g = d.gpu_index;
+        let instances = match cache.entry(g) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(
+                b.gpu_instances(g)
+                    .map_err(backend_err(format!("list GPU instances of GPU {g}")))?,
+            ),
+        };
+        let found = instances
+            .iter()
+            .find(|i| Some(i.id) == *gi && i.placement == *placement)
+            .or_else(|| {
+                instances
+                    .iter()
+                    .find(|i| i.placement == *placement && i.profile_id == *profile_id)
+            });
+        let Some(i) = found else { continue };
+        let mut i = i.clone();
+        if i.compute_instances.is_empty()
+            && let Some(c) = ci
+        {
+            // Listed before the CI existed; try the recorded one too.
+            i.compute_instances.push(carve_gpu::ComputeInstanceInfo {
+                id: *c,
+                profile_id: 0,
+                mig_uuid: None,
+            });
+        }
+        destroy_instance(b, retry, g, &i)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use carve_gpu::MigMode;
+    use carve_model::GpuModel;
+
+    fn gpus(models: &[&str]) -> BTreeMap<u32, Arc<Gpu>> {
+        models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let spec = GpuModel::find(m).unwrap().spec();
+                let i = i as u32;
+                let info = GpuInfo {
+                    index: i,
+                    minor: i,
+                    uuid: format!("GPU-{i}"),
+                    name: spec.product_name.clone(),
+                    architecture: spec.architecture,
+                    cuda_compute_capability: spec.cuda_compute_capability,
+                    driver_version: "580.65.06".into(),
+                    pci_bus_id: String::new(),
+                    memory_mib: spec.memory_mib,
+                    multiprocessors: spec.multiprocessors,
+                    mig_capable: spec.mig_capable,
+                    mig_mode: spec.mig_capable.then_some(MigMode {
+                        current: false,
+                        pending: false,
+                    }),
+                };
+                (
+                    i,
+                    Arc::new(Gpu {
+                        info,
+                        profiles: spec.profiles,
+                        policy: GpuPolicy::Dynamic,
+                        rt: tokio::sync::Mutex::new(GpuRuntime { mig_current: false }),
+                    }),
+                )
+            })
+            .collect()
+    }
+
+    fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "c", "namespace": "ns", "uid": "u-1"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}}
+        }))
+        .unwrap()
+    }
+
+    fn res(req: &str, pool: &str, device: &str) -> serde_json::Value {
+        serde_json::json!({"request": req, "driver": "gpu.carve.dev", "pool": pool, "device": device})
+    }
+
+    fn cfg() -> PluginConfig {
+        PluginConfig::new("node-a")
+    }
+
+    #[test]
+    fn plans_mig_and_whole_gpu_devices() {
+        let g = gpus(&["h100-80gb", "l4-24gb"]);
+        let rc = claim(
+            serde_json::json!([
+                res("a/small", "node-a", "gpu-0-mig-1g10gb-3"),
+                res("b", "node-a", "gpu-1"),
+                {"request": "x", "driver": "other.dev", "pool": "p", "device": "whatever"}
+            ]),
+            serde_json::json!([]),
+        );
+        let p = plan_claim(&cfg(), &g, &rc).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].record.requests, ["a"]);
+        match &p[0].record.kind {
+            PreparedKind::Mig {
+                profile,
+                placement,
+                created,
+                gi,
+                ..
+            } => {
+                assert_eq!(profile, "1g.10gb");
+                assert_eq!(*placement, Placement::new(3, 1));
+                assert!(*created);
+                assert!(gi.is_none());
+            }
+            PreparedKind::Gpu => panic!("expected MIG"),
+        }
+        assert_eq!(p[1].record.kind, PreparedKind::Gpu);
+        assert_eq!(p[1].record.gpu_uuid, "GPU-1");
+    }
+
+    #[test]
+    fn bad_allocations_name_the_problem() {
+        let g = gpus(&["a100-40gb", "l4-24gb"]);
+        let cases = [
+            (
+                res("r", "node-b", "gpu-0"),
+                "allocated from pool \"node-b\"",
+            ),
+            (
+                res("r", "node-a", "gpu-0-mig-bogus-1"),
+                "\"gpu-0-mig-bogus-1\" is not a carve device name",
+            ),
+            (
+                res("r", "node-a", "gpu-7-mig-1g5gb-0"),
+                "this node has no GPU 7",
+            ),
+            (
+                res("r", "node-a", "gpu-0-mig-1g80gb-0"),
+                "GPU 0 has no MIG profile 1g.80gb",
+            ),
+            (
+                res("r", "node-a", "gpu-0-mig-3g20gb-1"),
+                "cannot be placed at slice 1",
+            ),
+            (
+                res("r", "node-a", "gpu-1-mig-1g5gb-0"),
+                "GPU 1 (GPU-1) is not MIG-capable",
+            ),
+            (
+                res("r", "node-a", "gpu-0-mps"),
+                "MPS devices are not supported",
+            ),
+        ];
+        for (r, want) in cases {
+            let e = plan_claim(
+                &cfg(),
+                &g,
+                &claim(serde_json::json!([r]), serde_json::json!([])),
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains(want), "{e} / {want}");
+        }
+        let unalloc: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "c", "namespace": "ns", "uid": "u"}, "spec": {}
+        }))
+        .unwrap();
+        assert!(matches!(
+            plan_claim(&cfg(), &g, &unalloc),
+            Err(ClaimError::NotAllocated)
+        ));
+    }
+
+    #[test]
+    fn overlapping_devices_in_one_claim_are_rejected() {
+        let g = gpus(&["a100-40gb"]);
+        let rc = claim(
+            serde_json::json!([
+                res("a", "node-a", "gpu-0-mig-4g20gb-0"),
+                res("b", "node-a", "gpu-0-mig-1g5gb-3")
+            ]),
+            serde_json::json!([]),
+        );
+        let e = plan_claim(&cfg(), &g, &rc).unwrap_err().to_string();
+        assert!(
+            e.contains("occupied by device gpu-0-mig-4g20gb-0 of the same claim"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn opaque_config_reaches_the_record() {
+        let g = gpus(&["a100-40gb"]);
+        let rc = claim(
+            serde_json::json!([res("a", "node-a", "gpu-0-mig-1g5gb-0")]),
+            serde_json::json!([{"source": "FromClaim", "opaque": {"driver": "gpu.carve.dev",
+                "parameters": {"apiVersion": "gpu.carve.dev/v1alpha1", "kind": "MigConfig", "driverCapabilities": ["compute", "utility"]}}}]),
+        );
+        let p = plan_claim(&cfg(), &g, &rc).unwrap();
+        assert_eq!(
+            p[0].record.capabilities_env.as_deref(),
+            Some("NVIDIA_DRIVER_CAPABILITIES=compute,utility")
+        );
+    }
+
+    #[test]
+    fn cdi_spec_from_record() {
+        let rec = ClaimRecord {
+            uid: "u-1".into(),
+            namespace: "ns".into(),
+            name: "c".into(),
+            state: ClaimState::PrepareCompleted,
+            cdi_spec: None,
+            devices: vec![DeviceRecord {
+                requests: vec!["a".into()],
+                pool: "node-a".into(),
+                device: "gpu-2-mig-1g10gb-3".into(),
+                share_id: None,
+                gpu_index: 2,
+                gpu_uuid: "GPU-2".into(),
+                gpu_minor: 2,
+                kind: PreparedKind::Mig {
+                    profile: "1g.10gb".into(),
+                    profile_id: 19,
+                    placement: Placement::new(3, 1),
+                    created: true,
+                    gi: Some(7),
+                    ci: Some(0),
+                    mig_uuid: Some("MIG-7".into()),
+                    cap_minors: vec![66, 67],
+                },
+                capabilities_env: None,
+            }],
+        };
+        let s = Driver::cdi_spec_for(&rec).unwrap();
+        assert_eq!(s.devices[0].name, "u-1-gpu-2-mig-1g10gb-3");
+        assert!(
+            s.devices[0]
+                .container_edits
+                .env
+                .contains(&"CUDA_VISIBLE_DEVICES=MIG-7".to_string())
+        );
+        let d = Driver::prepared_devices(&rec);
+        assert_eq!(
+            d[0].cdi_device_ids,
+            ["k8s.gpu.carve.dev/claim=u-1-gpu-2-mig-1g10gb-3"]
+        );
+    }
+}

@@ -1,0 +1,114 @@
+//! Atomic file replacement: write a temp file next to the target, fsync it,
+//! rename it over the target, fsync the directory.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::config::WriteFault;
+
+/// Which kind of file a write is, for fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FileKind {
+    Checkpoint,
+    Cdi,
+}
+
+static CHECKPOINT_WRITES: AtomicU64 = AtomicU64::new(0);
+static CDI_WRITES: AtomicU64 = AtomicU64::new(0);
+
+/// Abort the process if `fault` names this write (the Nth write of this kind in
+/// this process). Used only by crash tests, configured through
+/// [`crate::PluginConfig::write_fault`].
+fn maybe_abort(kind: FileKind, fault: Option<WriteFault>) {
+    let counter = match kind {
+        FileKind::Checkpoint => &CHECKPOINT_WRITES,
+        FileKind::Cdi => &CDI_WRITES,
+    };
+    let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+    let hit = match fault {
+        Some(WriteFault::Checkpoint(at)) => kind == FileKind::Checkpoint && at == n,
+        Some(WriteFault::Cdi(at)) => kind == FileKind::Cdi && at == n,
+        None => false,
+    };
+    if hit {
+        tracing::error!(
+            ?kind,
+            write = n,
+            "write fault injected: aborting before rename"
+        );
+        std::process::abort();
+    }
+}
+
+/// Replace `path` with `bytes` atomically. On error the target is untouched and
+/// the temp file removed.
+pub(crate) fn atomic_write(
+    path: &Path,
+    bytes: &[u8],
+    kind: FileKind,
+    fault: Option<WriteFault>,
+) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
+    let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let res = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        maybe_abort(kind, fault);
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Remove a file; a missing file counts as removed. Syncs the directory.
+pub(crate) fn remove_file(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_and_leaves_no_temp() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.json");
+        atomic_write(&p, b"one", FileKind::Cdi, None).unwrap();
+        atomic_write(&p, b"two", FileKind::Cdi, None).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn failed_write_keeps_old_content() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("sub");
+        std::fs::create_dir(&p).unwrap();
+        // Renaming a file over a non-empty directory fails.
+        std::fs::write(p.join("x"), b"x").unwrap();
+        assert!(atomic_write(&p, b"two", FileKind::Cdi, None).is_err());
+        assert_eq!(std::fs::read(p.join("x")).unwrap(), b"x");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+}

@@ -1,0 +1,191 @@
+//! Shared support for the plugin's integration tests: the NVML simulator
+//! library behind the real `NvmlBackend`, the API-server stand-in, claims.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use carve_apiserver::{ApiServer, Options, Resource};
+use carve_gpu::{GpuBackend, GpuInstanceInfo};
+use carve_nvml::{NvmlBackend, NvmlOptions};
+use carve_plugin::{ClaimRef, PluginConfig, Retry};
+use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
+
+pub const NODE: &str = "node-a";
+
+/// The simulator cdylib built next to this test binary.
+pub fn sim_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe.parent().expect("deps dir");
+    for c in [
+        deps.join("libnvidia_ml_sim.so"),
+        deps.join("../libnvidia_ml_sim.so"),
+    ] {
+        if c.exists() {
+            return c;
+        }
+    }
+    panic!("libnvidia_ml_sim.so not found next to {}", exe.display());
+}
+
+/// One simulated node: its own copy of the simulator library (with a side-car
+/// configuration, so tests in one process do not share state), plugin paths
+/// under a temp dir.
+pub struct Node {
+    pub dir: tempfile::TempDir,
+    pub sim: SimConfig,
+    pub lib: PathBuf,
+    pub config: PluginConfig,
+}
+
+impl Node {
+    pub fn new(gpus: Vec<GpuEntry>) -> Self {
+        // Short base dir: socket paths must stay under 108 bytes.
+        let dir = tempfile::Builder::new()
+            .prefix("cp")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let d = dir.path().to_path_buf();
+        let d = d.as_path();
+        let sim = SimConfig::new(NODE, gpus, &d.join("sim"));
+        std::fs::create_dir_all(d.join("sim")).unwrap();
+        let lib = d.join("libnvidia_ml_sim.so");
+        std::fs::copy(sim_library(), &lib).unwrap();
+        let node = Self {
+            config: plugin_config(d),
+            dir,
+            sim,
+            lib,
+        };
+        node.write_sim_config();
+        std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
+        node
+    }
+
+    pub fn write_sim_config(&self) {
+        let mut side = self.lib.as_os_str().to_owned();
+        side.push(nvidia_ml_sim::SIDECAR_SUFFIX);
+        self.sim.to_file(Path::new(&side)).unwrap();
+    }
+
+    pub fn backend(&self) -> Arc<dyn GpuBackend> {
+        Arc::new(
+            NvmlBackend::open(NvmlOptions {
+                lib_path: Some(self.lib.clone()),
+                proc_root: self.sim.proc_root.clone(),
+            })
+            .expect("open NVML simulator"),
+        )
+    }
+
+    /// Simulator state as persisted (readable while no process holds it).
+    pub fn sim_state(&self) -> SimState {
+        SimState::load(&self.sim.state_file)
+            .unwrap()
+            .expect("sim state exists")
+    }
+
+    /// (gpu, start, size, profile id) of every GPU instance, from the state file.
+    pub fn instances(&self) -> Vec<(u32, u32, u32, u32)> {
+        let s = self.sim_state();
+        let mut v = Vec::new();
+        for (g, gpu) in s.gpus.iter().enumerate() {
+            for gi in &gpu.gpu_instances {
+                v.push((
+                    g as u32,
+                    gi.start as u32,
+                    gi.compute_instances.len() as u32,
+                    gi.profile_id,
+                ));
+            }
+        }
+        v
+    }
+
+    pub fn cdi_files(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&self.config.cdi_dir)
+            .map(|rd| rd.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+pub fn plugin_config(d: &Path) -> PluginConfig {
+    let mut c = PluginConfig::new(NODE);
+    c.plugins_registry_dir = d.join("reg");
+    c.plugin_dir = d.join("plugins").join("gpu.carve.dev");
+    c.cdi_dir = d.join("cdi");
+    c.checkpoint_path = d
+        .join("plugins")
+        .join("gpu.carve.dev")
+        .join("checkpoint.json");
+    c.boot_id_path = d.join("boot_id");
+    c.gc_interval = None;
+    c.unprepare_retry = Retry {
+        attempts: 3,
+        initial: std::time::Duration::from_millis(1),
+        max: std::time::Duration::from_millis(4),
+    };
+    c
+}
+
+pub async fn api() -> ApiServer {
+    ApiServer::start(Options::default()).await.unwrap()
+}
+
+/// Store an allocated ResourceClaim; `results` are (request, device) on this
+/// node's pool.
+pub fn put_claim(
+    api: &ApiServer,
+    name: &str,
+    uid: &str,
+    results: &[(&str, &str)],
+    config: serde_json::Value,
+) -> ClaimRef {
+    put_claim_pool(api, name, uid, results, NODE, config)
+}
+
+pub fn put_claim_pool(
+    api: &ApiServer,
+    name: &str,
+    uid: &str,
+    results: &[(&str, &str)],
+    pool: &str,
+    config: serde_json::Value,
+) -> ClaimRef {
+    let results: Vec<serde_json::Value> = results
+        .iter()
+        .map(|(r, d)| serde_json::json!({"request": r, "driver": "gpu.carve.dev", "pool": pool, "device": d}))
+        .collect();
+    let obj = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": []}},
+        "status": {"allocation": {"devices": {"results": results, "config": config}}}
+    });
+    api.store().insert(Resource::ResourceClaims, obj).unwrap();
+    ClaimRef {
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+pub fn put_unallocated(api: &ApiServer, name: &str, uid: &str) -> ClaimRef {
+    let obj = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": []}}
+    });
+    api.store().insert(Resource::ResourceClaims, obj).unwrap();
+    ClaimRef {
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+pub fn live(b: &dyn GpuBackend, gpu: u32) -> Vec<GpuInstanceInfo> {
+    b.gpu_instances(gpu).unwrap()
+}

@@ -9,6 +9,37 @@ use carve_model::slices::KubeLayout;
 pub enum BenchCommand {
     /// Time to build and validate a node's slices, and API writes on an unchanged restart.
     Slices(SlicesBench),
+    /// Replay the Alibaba openb trace on MIG GPUs and compare device-order policies
+    /// (NVIDIA's name order, first-fit, best-fit, random, carve, a repack bound).
+    Fragmentation(FragBench),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FragBench {
+    /// Pod list of the trace (e.g. shared/data/traces/openb_pod_list_default.csv).
+    #[arg(long)]
+    trace: std::path::PathBuf,
+    /// Node list (default: openb_node_list_gpu_node.csv next to the trace).
+    #[arg(long)]
+    nodes: Option<std::path::PathBuf>,
+    /// Seeds, e.g. `42..51` (both ends included) or `1,5,9`.
+    #[arg(long, default_value = "42..51")]
+    seeds: String,
+    /// GPU model every GPU of the node list becomes (MIG-capable).
+    #[arg(long, default_value = "h100-80gb")]
+    model: String,
+    /// Keep only this percentage of the nodes (stratified by GPUs per node).
+    #[arg(long)]
+    sample_nodes: Option<f64>,
+    /// Arrived load to stop at, in % of capacity.
+    #[arg(long, default_value_t = 130)]
+    max_load: u32,
+    /// Write one CSV row per policy x seed x load point.
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
+    /// Churn mode: Poisson arrivals with departures at several offered loads.
+    #[arg(long)]
+    churn: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -39,6 +70,28 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
                 layout,
             }))?;
             println!("{figures}");
+            Ok(ExitCode::SUCCESS)
+        }
+        BenchCommand::Fragmentation(a) => {
+            let mut cfg = carve_frag::BenchConfig::new(&a.trace);
+            cfg.nodes = a.nodes;
+            cfg.seeds = carve_frag::parse_seeds(&a.seeds)?;
+            cfg.model = a.model;
+            cfg.sample_nodes_pct = a.sample_nodes;
+            cfg.max_load_pct = a.max_load;
+            if a.churn {
+                let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
+                print!("{report}");
+                if let Some(csv) = &a.csv {
+                    report.write_csv(csv)?;
+                }
+            } else {
+                let report = carve_frag::run(&cfg)?;
+                print!("{report}");
+                if let Some(csv) = &a.csv {
+                    report.write_csv(csv)?;
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -1,1 +1,861 @@
-//! End-to-end suites for carve.
+//! End-to-end suites for carve, and the helpers they share: a simulated node
+//! that runs the real `carve kubelet-plugin` binary as a child process on the
+//! NVML simulator library ([`SimNode`]), the API-server stand-in, the offline
+//! allocator, and the CDI and simulator-state checks ([`check_prepared`]).
+//!
+//! It is not a test framework for other crates and has no production use.
+//! Waits poll a condition (a socket appears, slices are published) every
+//! [`POLL`] until [`DEADLINE`], and give up at once when the child exits.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use carve_apiserver::{Resource, Store};
+use carve_model::GpuModel;
+use carve_model::names::DeviceName;
+use carve_plugin::{CDI_KIND, CdiSpec, claim_spec_path};
+use k8s_openapi::api::resource::v1::{AllocationResult, ResourceClaim, ResourceSlice};
+use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
+
+/// How often waits look again.
+pub const POLL: Duration = Duration::from_millis(20);
+/// How long a wait may take before the suite fails.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// What went wrong setting up or checking the end-to-end flow.
+#[derive(Debug, thiserror::Error)]
+pub enum E2eError {
+    /// A file or directory operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A build artifact is missing.
+    #[error("{what} not found at {path}: {hint}")]
+    Missing {
+        /// The artifact.
+        what: &'static str,
+        /// Where it was looked for.
+        path: PathBuf,
+        /// How to get it.
+        hint: String,
+    },
+    /// `cargo build -p carve` failed.
+    #[error("building the carve binary ({cmd}) failed: {status}")]
+    Build {
+        /// The command line.
+        cmd: String,
+        /// Its exit status.
+        status: ExitStatus,
+    },
+    /// The plugin process exited while the suite waited for it.
+    #[error(
+        "carve kubelet-plugin exited with {status} while waiting for {waiting_for}; its log:\n{log}"
+    )]
+    PluginExited {
+        /// Its exit status.
+        status: ExitStatus,
+        /// What the suite was waiting for.
+        waiting_for: String,
+        /// Its stdout and stderr.
+        log: String,
+    },
+    /// A wait ran out of time.
+    #[error("timed out after {after:?} waiting for {waiting_for}; plugin log:\n{log}")]
+    Timeout {
+        /// What the suite was waiting for.
+        waiting_for: String,
+        /// How long it waited.
+        after: Duration,
+        /// The plugin's log so far.
+        log: String,
+    },
+    /// The simulator could not be configured or its state read.
+    #[error("NVML simulator: {0}")]
+    Sim(#[from] nvidia_ml_sim::SimError),
+    /// An object from the API-server stand-in does not deserialize.
+    #[error("{what}: {source}")]
+    Json {
+        /// Which object.
+        what: String,
+        /// The error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A prepared claim does not look as it must.
+    #[error("claim {claim}: {problem}")]
+    Check {
+        /// The claim UID.
+        claim: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> E2eError {
+    let path = path.to_path_buf();
+    move |source| E2eError::Io { what, path, source }
+}
+
+/// `target/<profile>` of the running test binary
+/// (`target/<profile>/deps/<test>-<hash>`).
+///
+/// # Errors
+/// The test executable's path has no such shape.
+pub fn target_profile_dir() -> Result<PathBuf, E2eError> {
+    let exe = std::env::current_exe().map_err(io("locating", Path::new("current_exe")))?;
+    exe.parent()
+        .filter(|d| d.file_name().is_some_and(|n| n == "deps"))
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .ok_or_else(|| E2eError::Missing {
+            what: "target/<profile> directory",
+            path: exe.clone(),
+            hint: "run the suite with cargo test".into(),
+        })
+}
+
+/// The workspace root (the parent of this crate's directory).
+#[must_use]
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The `carve` binary of this build profile, built with `cargo build -p carve`
+/// first so it is never stale. `CARVE_BIN` overrides (no build then).
+///
+/// A binary-only package cannot be a dependency (`CARGO_BIN_EXE_carve` exists
+/// only in the `carve` package's own tests), hence the nested build; cargo has
+/// released its build lock while tests run.
+///
+/// Built once per test process; concurrent callers wait for that build.
+///
+/// # Errors
+/// The build fails or produces no binary.
+pub fn carve_binary() -> Result<PathBuf, E2eError> {
+    static BUILT: Mutex<Option<PathBuf>> = Mutex::new(None);
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(p) = built.as_ref() {
+        return Ok(p.clone());
+    }
+    let p = build_carve()?;
+    *built = Some(p.clone());
+    Ok(p)
+}
+
+fn build_carve() -> Result<PathBuf, E2eError> {
+    if let Some(p) = std::env::var_os("CARVE_BIN") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(E2eError::Missing {
+                what: "CARVE_BIN",
+                path: p,
+                hint: "point CARVE_BIN at a built carve binary or unset it".into(),
+            })
+        };
+    }
+    let dir = target_profile_dir()?;
+    let profile = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let target_dir = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(workspace_root())
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "carve",
+            "--bin",
+            "carve",
+            "--target-dir",
+        ])
+        .arg(&target_dir);
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        p => {
+            cmd.args(["--profile", p]);
+        }
+    }
+    let shown = format!("{cmd:?}");
+    let status = cmd.status().map_err(io("running", Path::new(&cargo)))?;
+    if !status.success() {
+        return Err(E2eError::Build { cmd: shown, status });
+    }
+    let bin = dir.join("carve");
+    if bin.is_file() {
+        Ok(bin)
+    } else {
+        Err(E2eError::Missing {
+            what: "carve binary",
+            path: bin,
+            hint: format!("{shown} succeeded but left no binary"),
+        })
+    }
+}
+
+/// The NVML simulator cdylib cargo built for this profile
+/// (`target/<profile>/deps/libnvidia_ml_sim.so`; `carve-nvml-sim` is a
+/// dependency of this crate).
+///
+/// # Errors
+/// It was not built.
+pub fn sim_library() -> Result<PathBuf, E2eError> {
+    let p = target_profile_dir()?
+        .join("deps")
+        .join("libnvidia_ml_sim.so");
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(E2eError::Missing {
+            what: "NVML simulator library",
+            path: p,
+            hint: "cargo test -p carve-e2e builds it".into(),
+        })
+    }
+}
+
+/// Polls `cond` every [`POLL`] until it yields a value, the plugin exits, or
+/// [`DEADLINE`] passes.
+///
+/// # Errors
+/// [`E2eError::PluginExited`] or [`E2eError::Timeout`], with the plugin log.
+pub async fn wait_for<T>(
+    node: &mut SimNode,
+    waiting_for: &str,
+    mut cond: impl FnMut(&SimNode) -> Option<T>,
+) -> Result<T, E2eError> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = cond(node) {
+            return Ok(v);
+        }
+        if let Some(status) = node.exited() {
+            return Err(E2eError::PluginExited {
+                status,
+                waiting_for: waiting_for.into(),
+                log: node.log(),
+            });
+        }
+        if start.elapsed() > DEADLINE {
+            return Err(E2eError::Timeout {
+                waiting_for: waiting_for.into(),
+                after: DEADLINE,
+                log: node.log(),
+            });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// A simulated node: its directories, the simulator configuration, and the
+/// `carve kubelet-plugin` child process when running. Dropping it kills the
+/// child.
+#[derive(Debug)]
+pub struct SimNode {
+    /// Everything lives under this directory.
+    pub dir: tempfile::TempDir,
+    /// Node name (also the pool name).
+    pub node_name: String,
+    /// `--plugins-dir`.
+    pub plugins_dir: PathBuf,
+    /// `--registry-dir`.
+    pub registry_dir: PathBuf,
+    /// `--cdi-dir`.
+    pub cdi_dir: PathBuf,
+    /// `--state-dir`.
+    pub state_dir: PathBuf,
+    /// `--nvml-lib`: a private copy of the simulator library.
+    pub nvml_lib: PathBuf,
+    /// The simulator configuration file (`CARVE_NVML_SIM_CONFIG`).
+    pub sim_config_path: PathBuf,
+    /// The simulator configuration.
+    pub sim: SimConfig,
+    /// `--kube-api-url`.
+    pub api_url: String,
+    carve: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl SimNode {
+    /// Lays out a node with `gpus` under a fresh temporary directory, copies
+    /// the simulator library there and writes its configuration.
+    ///
+    /// # Errors
+    /// File-system failures, or a missing binary or library.
+    pub fn new(
+        node_name: &str,
+        gpus: Vec<GpuEntry>,
+        carve: PathBuf,
+        api_url: &str,
+    ) -> Result<Self, E2eError> {
+        // Short base path: socket paths must fit in sockaddr_un (108 bytes).
+        let dir = tempfile::Builder::new()
+            .prefix("carve-e2e-")
+            .tempdir_in(std::env::temp_dir())
+            .map_err(io("creating", &std::env::temp_dir()))?;
+        let root = dir.path().to_path_buf();
+        let sub = |n: &str| -> Result<PathBuf, E2eError> {
+            let p = root.join(n);
+            std::fs::create_dir_all(&p).map_err(io("creating", &p))?;
+            Ok(p)
+        };
+        let plugins_dir = sub("plugins")?;
+        let registry_dir = sub("registry")?;
+        let cdi_dir = sub("cdi")?;
+        let state_dir = sub("state")?;
+        let lib_dir = sub("lib")?;
+        let sim_dir = sub("sim")?;
+        let nvml_lib = lib_dir.join("libnvidia_ml_sim.so");
+        let src = sim_library()?;
+        std::fs::copy(&src, &nvml_lib).map_err(io("copying the simulator to", &nvml_lib))?;
+        let sim = SimConfig::new(node_name, gpus, &sim_dir);
+        let sim_config_path = sim_dir.join("config.json");
+        sim.to_file(&sim_config_path)?;
+        Ok(Self {
+            dir,
+            node_name: node_name.into(),
+            plugins_dir,
+            registry_dir,
+            cdi_dir,
+            state_dir,
+            nvml_lib,
+            sim_config_path,
+            sim,
+            api_url: api_url.into(),
+            carve,
+            child: None,
+            starts: 0,
+        })
+    }
+
+    /// Rewrites the simulator configuration (e.g. to add or drop faults); the
+    /// simulator reads it at the next `nvmlInit`, i.e. the next plugin start.
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub fn set_sim_config(&mut self, sim: SimConfig) -> Result<(), E2eError> {
+        sim.to_file(&self.sim_config_path)?;
+        self.sim = sim;
+        Ok(())
+    }
+
+    /// The command line the plugin runs with.
+    #[must_use]
+    pub fn plugin_args(&self) -> Vec<String> {
+        let s = |p: &Path| p.display().to_string();
+        vec![
+            "kubelet-plugin".into(),
+            "--node-name".into(),
+            self.node_name.clone(),
+            "--plugins-dir".into(),
+            s(&self.plugins_dir),
+            "--registry-dir".into(),
+            s(&self.registry_dir),
+            "--cdi-dir".into(),
+            s(&self.cdi_dir),
+            "--state-dir".into(),
+            s(&self.state_dir),
+            "--proc-driver-nvidia".into(),
+            s(&self.sim.proc_root),
+            "--nvml-lib".into(),
+            s(&self.nvml_lib),
+            "--kube-api-url".into(),
+            self.api_url.clone(),
+            "--metrics-addr".into(),
+            "127.0.0.1:0".into(),
+            "--mig-policy".into(),
+            "dynamic".into(),
+        ]
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join(format!("plugin-{}.log", self.starts))
+    }
+
+    /// Everything the plugin wrote to stdout and stderr in its latest run.
+    #[must_use]
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Exit status if the plugin process has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// The registration socket(s) the plugin created in the registry dir.
+    #[must_use]
+    pub fn registration_sockets(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(&self.registry_dir)
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .map(|e| e.path())
+                    .filter(|p| p.to_string_lossy().ends_with("-reg.sock"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Spawns `carve kubelet-plugin` and waits until its registration socket
+    /// exists; returns the socket. Stale sockets of an earlier run are removed
+    /// first so only the new process can satisfy the wait.
+    ///
+    /// # Errors
+    /// Spawn failure, the process exiting (e.g. an unknown subcommand), or a
+    /// timeout.
+    pub async fn start_plugin(&mut self) -> Result<PathBuf, E2eError> {
+        for s in self.registration_sockets() {
+            std::fs::remove_file(&s).map_err(io("removing stale socket", &s))?;
+        }
+        self.starts += 1;
+        let log = self.log_path();
+        let out = File::create(&log).map_err(io("creating", &log))?;
+        let err = out.try_clone().map_err(io("duplicating", &log))?;
+        let child = Command::new(&self.carve)
+            .args(self.plugin_args())
+            .env(nvidia_ml_sim::CONFIG_ENV, &self.sim_config_path)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(io("spawning", &self.carve))?;
+        self.child = Some(child);
+        wait_for(self, "the plugin's registration socket", |n| {
+            n.registration_sockets().into_iter().next()
+        })
+        .await
+    }
+
+    /// Waits until the plugin process exits on its own (e.g. an injected
+    /// abort) and reaps it.
+    ///
+    /// # Errors
+    /// [`E2eError::Timeout`], or no plugin was started.
+    pub async fn wait_exit(&mut self, waiting_for: &str) -> Result<ExitStatus, E2eError> {
+        if self.child.is_none() {
+            return Err(E2eError::Missing {
+                what: "plugin process",
+                path: self.carve.clone(),
+                hint: "start_plugin first".into(),
+            });
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.exited() {
+                self.child = None;
+                return Ok(status);
+            }
+            if start.elapsed() > DEADLINE {
+                return Err(E2eError::Timeout {
+                    waiting_for: waiting_for.into(),
+                    after: DEADLINE,
+                    log: self.log(),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// `kill -9` the plugin and reap it.
+    ///
+    /// # Errors
+    /// No plugin is running, or signalling fails.
+    pub fn kill9(&mut self) -> Result<ExitStatus, E2eError> {
+        let mut c = self.child.take().ok_or_else(|| E2eError::Missing {
+            what: "plugin process",
+            path: self.carve.clone(),
+            hint: "start_plugin first".into(),
+        })?;
+        c.kill().map_err(io("killing", &self.carve))?;
+        c.wait().map_err(io("reaping", &self.carve))
+    }
+
+    /// The simulator's persisted state (instances as NVML sees them); the
+    /// initial state from the configuration while nothing was changed yet.
+    ///
+    /// # Errors
+    /// The state file is unreadable or does not match the configuration.
+    pub fn sim_state(&self) -> Result<SimState, E2eError> {
+        Ok(SimState::for_config(&self.sim, &self.sim_config_path)?)
+    }
+
+    /// GPU instances alive on the node, in total.
+    ///
+    /// # Errors
+    /// See [`SimNode::sim_state`].
+    pub fn gpu_instance_count(&self) -> Result<usize, E2eError> {
+        Ok(self
+            .sim_state()?
+            .gpus
+            .iter()
+            .map(|g| g.gpu_instances.len())
+            .sum())
+    }
+
+    /// CDI spec files in the CDI dir.
+    #[must_use]
+    pub fn cdi_files(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&self.cdi_dir)
+            .map(|rd| rd.filter_map(Result::ok).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for SimNode {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The node's complete ResourceSlice pool in the stand-in, if published: every
+/// slice of the newest generation of pool `node`, as many as its
+/// `resourceSliceCount` says.
+///
+/// # Errors
+/// A stored slice does not deserialize.
+pub fn published_pool(store: &Store, node: &str) -> Result<Option<Vec<ResourceSlice>>, E2eError> {
+    let mut slices = Vec::new();
+    for v in store.list(Resource::ResourceSlices) {
+        let s: ResourceSlice = serde_json::from_value(v).map_err(|source| E2eError::Json {
+            what: "ResourceSlice in the stand-in".into(),
+            source,
+        })?;
+        if s.spec.pool.name == node && s.spec.driver == carve_model::DRIVER_NAME {
+            slices.push(s);
+        }
+    }
+    let Some(generation) = slices.iter().map(|s| s.spec.pool.generation).max() else {
+        return Ok(None);
+    };
+    slices.retain(|s| s.spec.pool.generation == generation);
+    let want = slices[0].spec.pool.resource_slice_count;
+    Ok((i64::try_from(slices.len()).ok() == Some(want)).then_some(slices))
+}
+
+/// The `type` attribute (`gpu`, `mig`, `mps`, `timeslice`) of every published
+/// device, by device name.
+#[must_use]
+pub fn device_types(slices: &[ResourceSlice]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for s in slices {
+        for d in s.spec.devices.iter().flatten() {
+            let ty = d
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get("type"))
+                .and_then(|v| v.string.clone())
+                .unwrap_or_default();
+            out.insert(d.name.clone(), ty);
+        }
+    }
+    out
+}
+
+/// The devices of `alloc` that belong to carve.
+#[must_use]
+pub fn allocated_devices(alloc: &AllocationResult) -> Vec<String> {
+    alloc
+        .devices
+        .as_ref()
+        .and_then(|d| d.results.as_ref())
+        .map(|r| {
+            r.iter()
+                .filter(|r| r.driver == carve_model::DRIVER_NAME)
+                .map(|r| r.device.clone())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// One claim's prepared devices as the plugin reported them: device name →
+/// CDI device ids.
+pub type Prepared = BTreeMap<String, Vec<String>>;
+
+/// Checks a prepared claim against the files and the simulator:
+///
+/// * the CDI spec `<cdi>/k8s.gpu.carve.dev-claim_<uid>.json` exists, parses,
+///   has kind `k8s.gpu.carve.dev/claim`, and holds a device
+///   `<uid>-<device>` for every reported CDI id `k8s.gpu.carve.dev/claim=<uid>-<device>`;
+/// * the reported devices are exactly the allocated ones;
+/// * for each MIG device `gpu-G-mig-P-S`: GPU G has a GPU instance of profile P
+///   (its NVML profile id) starting at memory slice S with at least one
+///   compute instance, and the CDI device's `NVIDIA_VISIBLE_DEVICES` is that
+///   compute instance's MIG UUID;
+/// * for a whole GPU: `NVIDIA_VISIBLE_DEVICES` names a `GPU-` UUID.
+///
+/// # Errors
+/// [`E2eError::Check`] naming the claim and what is wrong.
+pub fn check_prepared(
+    node: &SimNode,
+    uid: &str,
+    allocated: &[String],
+    prepared: &Prepared,
+) -> Result<(), E2eError> {
+    let bad = |problem: String| E2eError::Check {
+        claim: uid.into(),
+        problem,
+    };
+    let mut want: Vec<&String> = allocated.iter().collect();
+    want.sort();
+    let got: Vec<&String> = prepared.keys().collect();
+    if want != got {
+        return Err(bad(format!("prepared devices {got:?}, allocated {want:?}")));
+    }
+    let path = claim_spec_path(&node.cdi_dir, uid);
+    let text =
+        std::fs::read(&path).map_err(|e| bad(format!("CDI spec {}: {e}", path.display())))?;
+    let spec: CdiSpec = serde_json::from_slice(&text)
+        .map_err(|e| bad(format!("CDI spec {} does not parse: {e}", path.display())))?;
+    if spec.kind != CDI_KIND {
+        return Err(bad(format!(
+            "CDI spec kind {:?}, want {CDI_KIND:?}",
+            spec.kind
+        )));
+    }
+    let state = node.sim_state()?;
+    for (device, ids) in prepared {
+        let cdi_name = format!("{uid}-{device}");
+        let want_id = format!("{CDI_KIND}={cdi_name}");
+        if !ids.contains(&want_id) {
+            return Err(bad(format!(
+                "device {device}: CDI ids {ids:?} lack {want_id}"
+            )));
+        }
+        let dev = spec
+            .devices
+            .iter()
+            .find(|d| d.name == cdi_name)
+            .ok_or_else(|| {
+                bad(format!(
+                    "CDI spec {} has no device {cdi_name}",
+                    path.display()
+                ))
+            })?;
+        let visible = dev
+            .container_edits
+            .env
+            .iter()
+            .find_map(|e| e.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
+            .ok_or_else(|| {
+                bad(format!(
+                    "CDI device {cdi_name} sets no NVIDIA_VISIBLE_DEVICES"
+                ))
+            })?;
+        let name: DeviceName = device
+            .parse()
+            .map_err(|e| bad(format!("device name {device:?}: {e}")))?;
+        match &name {
+            DeviceName::Mig { gpu, .. } => {
+                let (profile, start) = name
+                    .mig_placement()
+                    .ok_or_else(|| bad(format!("{device} has no placement")))?;
+                let g = state
+                    .gpus
+                    .get(*gpu as usize)
+                    .ok_or_else(|| bad(format!("{device}: simulator has no GPU {gpu}")))?;
+                let spec = GpuModel::find(&g.model)
+                    .ok_or_else(|| {
+                        bad(format!("simulator GPU {gpu} has unknown model {}", g.model))
+                    })?
+                    .spec();
+                let pid = spec
+                    .profile(&profile)
+                    .ok_or_else(|| bad(format!("{device}: {} has no profile {profile}", g.model)))?
+                    .id;
+                let gi = g
+                    .gpu_instances
+                    .iter()
+                    .find(|gi| gi.start == start && gi.profile_id == pid)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "{device}: no GPU instance of {profile} (id {pid}) at slice {start} on GPU {gpu}; instances: {:?}",
+                            g.gpu_instances
+                                .iter()
+                                .map(|gi| (gi.profile_id, gi.start))
+                                .collect::<Vec<_>>()
+                        ))
+                    })?;
+                if !gi.compute_instances.iter().any(|ci| ci.uuid == visible) {
+                    return Err(bad(format!(
+                        "{device}: NVIDIA_VISIBLE_DEVICES={visible} is no compute instance of the GPU instance at slice {start} ({:?})",
+                        gi.compute_instances
+                            .iter()
+                            .map(|c| &c.uuid)
+                            .collect::<Vec<_>>()
+                    )));
+                }
+            }
+            DeviceName::Gpu { .. } => {
+                if !visible.starts_with("GPU-") {
+                    return Err(bad(format!(
+                        "{device}: NVIDIA_VISIBLE_DEVICES={visible} is not a GPU UUID"
+                    )));
+                }
+            }
+            other => {
+                return Err(bad(format!(
+                    "{device}: the suite has no check for {other:?}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The claim's name and namespace as a kubelet `Claim`.
+///
+/// # Errors
+/// The claim has no UID (it was not created through the API).
+pub fn claim_ref(c: &ResourceClaim) -> Result<carve_plugin::ClaimRef, E2eError> {
+    let uid = c.metadata.uid.clone().ok_or_else(|| E2eError::Check {
+        claim: c.metadata.name.clone().unwrap_or_default(),
+        problem: "has no metadata.uid".into(),
+    })?;
+    Ok(carve_plugin::ClaimRef {
+        namespace: c
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into()),
+        name: c.metadata.name.clone().unwrap_or_default(),
+        uid,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvidia_ml_sim::{CiState, GiState};
+
+    fn node_with_one_instance() -> SimNode {
+        let node = SimNode::new(
+            "n",
+            vec![GpuEntry::new("h100-80gb", 1, true)],
+            PathBuf::from("/nonexistent/carve"),
+            "http://127.0.0.1:1",
+        )
+        .unwrap();
+        let mut st = SimState::fresh(&["h100-80gb"], &[true]);
+        let pid = GpuModel::find("h100-80gb")
+            .unwrap()
+            .spec()
+            .profile("1g.10gb")
+            .unwrap()
+            .id;
+        st.gpus[0].gpu_instances.push(GiState {
+            serial: 1,
+            id: 1,
+            profile_id: pid,
+            start: 3,
+            cap_minor: 10,
+            compute_instances: vec![CiState {
+                serial: 2,
+                id: 0,
+                profile_id: 0,
+                slices: 1,
+                start: 0,
+                cap_minor: 11,
+                uuid: "MIG-x".into(),
+                compute_mode: 0,
+            }],
+        });
+        st.save(&node.sim.state_file).unwrap();
+        node
+    }
+
+    fn write_spec(node: &SimNode, uid: &str, device: &str, visible: &str) {
+        let spec = serde_json::json!({
+            "cdiVersion": "0.5.0",
+            "kind": CDI_KIND,
+            "devices": [{"name": format!("{uid}-{device}"),
+                         "containerEdits": {"env": [format!("NVIDIA_VISIBLE_DEVICES={visible}")]}}],
+        });
+        std::fs::write(
+            claim_spec_path(&node.cdi_dir, uid),
+            serde_json::to_vec(&spec).unwrap(),
+        )
+        .unwrap();
+    }
+
+    fn prepared(uid: &str, device: &str) -> Prepared {
+        BTreeMap::from([(
+            device.to_string(),
+            vec![format!("{CDI_KIND}={uid}-{device}")],
+        )])
+    }
+
+    #[test]
+    fn check_prepared_accepts_the_truth_and_names_each_mismatch() {
+        let node = node_with_one_instance();
+        let dev = "gpu-0-mig-1g10gb-3";
+        let alloc = [dev.to_string()];
+        write_spec(&node, "u1", dev, "MIG-x");
+        check_prepared(&node, "u1", &alloc, &prepared("u1", dev)).unwrap();
+
+        let err = |r: Result<(), E2eError>| r.unwrap_err().to_string();
+        // Reported devices differ from the allocation.
+        let e = err(check_prepared(
+            &node,
+            "u1",
+            &["gpu-0-mig-1g10gb-4".into()],
+            &prepared("u1", dev),
+        ));
+        assert!(e.contains("allocated"), "{e}");
+        // No instance at the placement.
+        let other = "gpu-0-mig-1g10gb-4";
+        write_spec(&node, "u2", other, "MIG-x");
+        let e = err(check_prepared(
+            &node,
+            "u2",
+            &[other.into()],
+            &prepared("u2", other),
+        ));
+        assert!(
+            e.contains("no GPU instance of 1g.10gb") && e.contains("slice 4"),
+            "{e}"
+        );
+        // The container would see another device.
+        write_spec(&node, "u3", dev, "MIG-y");
+        let e = err(check_prepared(&node, "u3", &alloc, &prepared("u3", dev)));
+        assert!(e.contains("MIG-y"), "{e}");
+        // No CDI spec.
+        let e = err(check_prepared(&node, "u4", &alloc, &prepared("u4", dev)));
+        assert!(e.contains("CDI spec"), "{e}");
+        // A CDI id the spec does not define.
+        let mut p = prepared("u1", dev);
+        p.insert(dev.into(), vec!["k8s.gpu.carve.dev/claim=other".into()]);
+        let e = err(check_prepared(&node, "u1", &alloc, &p));
+        assert!(e.contains("lack"), "{e}");
+    }
+}

@@ -8,6 +8,7 @@
 //! real hardware.
 
 pub mod geometry;
+pub mod health;
 pub mod models;
 pub mod names;
 pub mod order;

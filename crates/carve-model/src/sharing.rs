@@ -858,8 +858,8 @@ fn common_attributes(gpu: &PhysicalGpu) -> Result<BTreeMap<String, DeviceAttribu
 mod tests {
     use super::*;
     use crate::slices::{
-        GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, consumption_fits,
-        simulated_node,
+        GpuPolicy, KubeLayout, NodeGpu, SharingOptions, SliceOptions, build_slices,
+        consumption_fits, simulated_node,
     };
 
     const CAPS: MpsCapabilities = MpsCapabilities {
@@ -1274,5 +1274,265 @@ mod tests {
         let mut sim = Sim::new(&set);
         assert!(sim.allocate(&whole, BTreeMap::new()));
         assert!(!sim.allocate(&ts, cc("0", "0")));
+    }
+
+    // === published by build_slices (SliceOptions::sharing) ===
+
+    fn all_sharing() -> SharingOptions {
+        SharingOptions {
+            mps: Some(CAPS),
+            timeslice: true,
+            mig_mps: true,
+        }
+    }
+
+    fn published(
+        model: &str,
+        count: u32,
+        layout: KubeLayout,
+        sharing: SharingOptions,
+    ) -> Result<(Vec<CounterSet>, Vec<Device>), crate::slices::SliceError> {
+        let gpus: Vec<NodeGpu> = simulated_node(model, count)
+            .unwrap()
+            .into_iter()
+            .map(|gpu| NodeGpu {
+                gpu,
+                policy: GpuPolicy::Dynamic,
+            })
+            .collect();
+        let mut o = SliceOptions::new("node-1", layout);
+        o.sharing = sharing;
+        let slices = build_slices(&gpus, &o)?;
+        let sets = slices
+            .iter()
+            .flat_map(|s| s.spec.shared_counters.iter().flatten())
+            .cloned()
+            .collect();
+        let devs = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .cloned()
+            .collect();
+        Ok((sets, devs))
+    }
+
+    #[test]
+    fn every_model_and_count_publishes_valid_sharing_devices() {
+        for m in crate::MODELS {
+            for count in [1, 2, 8] {
+                for layout in [KubeLayout::V135Plus, KubeLayout::V134] {
+                    let ctx = format!("{} x{count} {layout:?}", m.key);
+                    // build_slices validates its own output (devices per
+                    // slice, allowMultipleAllocations with requestPolicy, ...).
+                    let (sets, devs) = published(m.key, count, layout, all_sharing())
+                        .unwrap_or_else(|e| panic!("{ctx}: {e:?}"));
+                    let (_, plain) =
+                        published(m.key, count, layout, SharingOptions::default()).unwrap();
+                    for gi in 0..count {
+                        let g = gpu(m.key);
+                        let set = sets
+                            .iter()
+                            .find(|s| s.name == counter_set_name(gi))
+                            .unwrap_or_else(|| panic!("{ctx}: no counter set for GPU {gi}"));
+                        let whole = find(&devs, &format!("gpu-{gi}"));
+                        let mps = find(&devs, &format!("gpu-{gi}-mps"));
+                        let ts = find(&devs, &format!("gpu-{gi}-ts"));
+                        // Charged once per device: exactly what the twin consumes.
+                        assert_eq!(
+                            whole.consumes_counters.as_ref(),
+                            Some(&consume_all(set)),
+                            "{ctx}"
+                        );
+                        assert_eq!(mps.consumes_counters, whole.consumes_counters, "{ctx}");
+                        assert_eq!(ts.consumes_counters, whole.consumes_counters, "{ctx}");
+                        for d in [mps, ts] {
+                            assert_eq!(d.allow_multiple_allocations, Some(true), "{ctx}");
+                        }
+                        let mut mig_count = 0;
+                        for p in &g.spec.profiles {
+                            for pl in &p.placements {
+                                let twin = crate::names::DeviceName::mig(gi, &p.name, pl.start)
+                                    .unwrap()
+                                    .to_string();
+                                let twin = find(&devs, &twin);
+                                let mm = devs
+                                    .iter()
+                                    .find(|d| d.name == format!("{}-mps", twin.name))
+                                    .unwrap_or_else(|| {
+                                        panic!("{ctx}: no MIG-MPS twin of {}", twin.name)
+                                    });
+                                assert_eq!(mm.consumes_counters, twin.consumes_counters, "{ctx}");
+                                assert_eq!(mm.allow_multiple_allocations, Some(true), "{ctx}");
+                                assert_eq!(twin.allow_multiple_allocations, None, "{ctx}");
+                                mig_count += 1;
+                            }
+                        }
+                        let of_gpu = |ds: &[Device]| {
+                            ds.iter()
+                                .filter(|d| {
+                                    d.name == format!("gpu-{gi}")
+                                        || d.name.starts_with(&format!("gpu-{gi}-"))
+                                })
+                                .count()
+                        };
+                        assert_eq!(of_gpu(&devs), 2 * mig_count + 3, "{ctx}");
+                        assert_eq!(of_gpu(&plain), mig_count + 1, "{ctx}");
+                    }
+                    // Without sharing nothing shareable is published.
+                    assert!(
+                        plain.iter().all(|d| d.allow_multiple_allocations.is_none()),
+                        "{ctx}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_sharing_kind_is_published_only_when_asked() {
+        let names = |sharing| {
+            let (_, devs) = published("a30-24gb", 1, KubeLayout::V135Plus, sharing).unwrap();
+            devs.into_iter().map(|d| d.name).collect::<Vec<_>>()
+        };
+        let ts = names(SharingOptions {
+            timeslice: true,
+            ..Default::default()
+        });
+        assert!(ts.contains(&"gpu-0-ts".to_string()));
+        assert!(!ts.iter().any(|n| n.ends_with("-mps")));
+        let mps = names(SharingOptions {
+            mps: Some(CAPS),
+            ..Default::default()
+        });
+        assert_eq!(
+            mps.iter()
+                .filter(|n| n.ends_with("-mps"))
+                .collect::<Vec<_>>(),
+            ["gpu-0-mps"]
+        );
+        // A MIG-MPS device comes right after its exclusive twin.
+        let all = names(all_sharing());
+        for (i, n) in all.iter().enumerate() {
+            if let Some(twin) = n.strip_suffix("-mps").filter(|t| t.contains("-mig-")) {
+                assert_eq!(all[i - 1], twin);
+            }
+        }
+        // MIG-MPS without the node's MPS capabilities is refused by field.
+        let e = published(
+            "a30-24gb",
+            1,
+            KubeLayout::V135Plus,
+            SharingOptions {
+                mig_mps: true,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("sharing.mig_mps"), "{e}");
+    }
+
+    #[test]
+    fn a_gpu_without_mig_gets_a_plain_counter_set_only_when_shared() {
+        let (sets, devs) = published(
+            "l4-24gb",
+            2,
+            KubeLayout::V135Plus,
+            SharingOptions::default(),
+        )
+        .unwrap();
+        assert!(sets.is_empty());
+        assert!(devs.iter().all(|d| d.consumes_counters.is_none()));
+        let (sets, devs) = published("l4-24gb", 2, KubeLayout::V134, all_sharing()).unwrap();
+        let g = gpu("l4-24gb");
+        assert_eq!(sets[0], plain_counter_set(&g));
+        let mut sim = Sim::new(&sets[0]);
+        assert!(sim.allocate(find(&devs, "gpu-0-ts"), cc("0", "0")));
+        assert!(!sim.allocate(find(&devs, "gpu-0-mps"), cc("1Gi", "2")));
+        assert!(!sim.allocate(find(&devs, "gpu-0"), BTreeMap::new()));
+    }
+
+    #[test]
+    fn published_sharing_devices_exclude_each_other_on_every_mig_model() {
+        for m in crate::MODELS.iter().filter(|m| m.spec().mig_capable) {
+            let (sets, devs) = published(m.key, 1, KubeLayout::V135Plus, all_sharing()).unwrap();
+            let set = &sets[0];
+            let g = gpu(m.key);
+            let small = &g.spec.profiles[0];
+            let (p0, p1) = (small.placements[0].start, small.placements[1].start);
+            let mig = |start| {
+                crate::names::DeviceName::mig(0, &small.name, start)
+                    .unwrap()
+                    .to_string()
+            };
+            let (mig0, mig1) = (mig(p0), mig(p1));
+            let (mm0, mm1) = (format!("{mig0}-mps"), format!("{mig1}-mps"));
+            let share = |spec: &MpsDeviceSpec| {
+                let r = spec.memory_range().unwrap();
+                let s = spec.sm_range().unwrap();
+                cc(&format!("{}Mi", r.min), &s.min.to_string())
+            };
+            let whole_spec = MpsDeviceSpec::whole(&g, CAPS).unwrap();
+            let mig_spec = MpsDeviceSpec::mig(&g, &small.name, p0, CAPS).unwrap();
+            // Whole-GPU MPS: shares coexist, everything else is excluded.
+            let mut sim = Sim::new(set);
+            for _ in 0..2 {
+                assert!(
+                    sim.allocate(find(&devs, "gpu-0-mps"), share(&whole_spec)),
+                    "{}",
+                    m.key
+                );
+            }
+            let others = [
+                ("gpu-0", BTreeMap::new()),
+                ("gpu-0-ts", cc("0", "0")),
+                (mig0.as_str(), BTreeMap::new()),
+                (mm0.as_str(), share(&mig_spec)),
+            ];
+            for (other, req) in others {
+                assert!(
+                    !sim.allocate(find(&devs, other), req),
+                    "{}: {other} after MPS",
+                    m.key
+                );
+            }
+            // MIG-MPS: two shares on one placement, the twin and the whole
+            // GPU excluded, another placement still free.
+            let mut sim = Sim::new(set);
+            assert!(
+                sim.allocate(find(&devs, &mm0), share(&mig_spec)),
+                "{}",
+                m.key
+            );
+            assert!(
+                sim.allocate(find(&devs, &mm0), share(&mig_spec)),
+                "{}",
+                m.key
+            );
+            assert!(
+                !sim.allocate(find(&devs, &mig0), BTreeMap::new()),
+                "{}",
+                m.key
+            );
+            assert!(
+                !sim.allocate(find(&devs, "gpu-0"), BTreeMap::new()),
+                "{}",
+                m.key
+            );
+            assert!(
+                !sim.allocate(find(&devs, "gpu-0-mps"), share(&whole_spec)),
+                "{}",
+                m.key
+            );
+            assert!(
+                sim.allocate(find(&devs, &mm1), share(&mig_spec)),
+                "{}",
+                m.key
+            );
+            assert!(
+                !sim.allocate(find(&devs, &mig1), BTreeMap::new()),
+                "{}",
+                m.key
+            );
+        }
     }
 }

@@ -10,7 +10,14 @@
 //! nothing can partition them, and a device without counters is allowed in
 //! every Kubernetes version and keeps its slice at the 128-device limit.
 //!
-//! Not here: MPS or time-sliced devices, taints, health, publishing.
+//! Sharing devices (MPS `gpu-<i>-mps`, MIG-MPS `gpu-<i>-mig-<p>-<s>-mps`,
+//! time-slice `gpu-<i>-ts`, built by [`crate::sharing`]) are published only
+//! when [`SliceOptions::sharing`] asks; each consumes exactly what its exclusive
+//! twin consumes (see [`crate::sharing`] on the charge-once rule). A GPU that
+//! cannot do MIG then gets the plain counter set of
+//! [`crate::sharing::plain_counter_set`], which its whole device consumes too.
+//!
+//! Not here: taints, health, publishing.
 
 pub mod quantity;
 mod sim;
@@ -29,6 +36,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use crate::geometry::{Conflict, Instance, Occupancy, Totals, max_layout_totals};
 use crate::names::{DeviceName, NameError};
 use crate::order::{DeviceOrder, nvidia_device_name, placement_order};
+use crate::sharing::{MpsCapabilities, MpsDeviceSpec, SharingError, time_slice_device};
 use crate::spec::{GpuSpec, PhysicalGpu, SpecError};
 
 pub use quantity::{Amount, QuantityError, parse_quantity};
@@ -136,6 +144,19 @@ pub struct NodeGpu {
     pub policy: GpuPolicy,
 }
 
+/// Which sharing devices a node publishes (default: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharingOptions {
+    /// Publish `gpu-<i>-mps` for every GPU that shows its whole device, with
+    /// the enforcement the node's MPS setup has.
+    pub mps: Option<MpsCapabilities>,
+    /// Publish `gpu-<i>-ts` for every GPU that shows its whole device.
+    pub timeslice: bool,
+    /// Publish `gpu-<i>-mig-<p>-<s>-mps` for every published MIG placement;
+    /// needs `mps` (its capabilities).
+    pub mig_mps: bool,
+}
+
 /// Inputs of [`build_slices`] besides the GPUs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceOptions {
@@ -151,6 +172,8 @@ pub struct SliceOptions {
     pub layout: KubeLayout,
     /// Device order policy.
     pub order: DeviceOrder,
+    /// Sharing devices to publish.
+    pub sharing: SharingOptions,
 }
 
 impl SliceOptions {
@@ -165,6 +188,7 @@ impl SliceOptions {
             generation: 0,
             layout,
             order: DeviceOrder::Carve,
+            sharing: SharingOptions::default(),
         }
     }
 }
@@ -279,6 +303,15 @@ pub enum SliceError {
         /// By how much.
         detail: String,
     },
+    /// A sharing device of a GPU cannot be described.
+    #[error("GPU {gpu}: sharing device")]
+    Sharing {
+        /// GPU index.
+        gpu: u32,
+        /// What is wrong.
+        #[source]
+        source: SharingError,
+    },
     /// The built slices fail validation (a bug in carve; nothing is returned).
     #[error("built slices are invalid")]
     Invalid(#[source] ValidationError),
@@ -385,6 +418,22 @@ impl CounterModel {
         Self {
             set: counter_set_name(gpu.index),
             capacity,
+        }
+    }
+
+    /// The counter set of a GPU without MIG that publishes sharing devices:
+    /// what [`crate::sharing::plain_counter_set`] describes.
+    fn plain(gpu: &PhysicalGpu) -> Self {
+        let set = crate::sharing::plain_counter_set(gpu);
+        Self {
+            capacity: vec![
+                (counters::MEMORY.to_string(), Qty::Mib(gpu.spec.memory_mib)),
+                (
+                    counters::MULTIPROCESSORS.to_string(),
+                    Qty::Int(gpu.spec.multiprocessors.into()),
+                ),
+            ],
+            set: set.name,
         }
     }
 
@@ -512,7 +561,74 @@ pub fn consumption_fits(set: &CounterSet, devices: &[&Device]) -> Result<bool, Q
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Whole,
-    Mig { profile: usize, start: u8 },
+    Mig {
+        profile: usize,
+        start: u8,
+    },
+    /// MPS on the whole GPU.
+    Mps,
+    /// Time-sliced whole GPU.
+    TimeSlice,
+    /// MPS on a MIG placement.
+    MigMps {
+        profile: usize,
+        start: u8,
+    },
+}
+
+impl Kind {
+    /// 0 exclusive, 1 MPS, 2 time-slice: orders a unit after its exclusive twin.
+    fn sharing_rank(self) -> u8 {
+        match self {
+            Self::Whole | Self::Mig { .. } => 0,
+            Self::Mps | Self::MigMps { .. } => 1,
+            Self::TimeSlice => 2,
+        }
+    }
+}
+
+/// Whether a sharing unit can be described (an instance too small for one MPS
+/// share plus a step is left out, not an error).
+fn shareable(r: Result<MpsDeviceSpec, SharingError>, gpu: u32) -> Result<bool, SliceError> {
+    match r {
+        Ok(_) => Ok(true),
+        Err(SharingError::TooSmall { .. }) => Ok(false),
+        Err(source) => Err(SliceError::Sharing { gpu, source }),
+    }
+}
+
+/// `units` plus the sharing devices `sharing` asks for: MIG-MPS after each MIG
+/// placement, MPS and time-slice after the whole GPU.
+fn with_sharing(
+    g: &NodeGpu,
+    units: Vec<Kind>,
+    sharing: &SharingOptions,
+) -> Result<Vec<Kind>, SliceError> {
+    let gpu = &g.gpu;
+    let mut out = Vec::with_capacity(units.len() * 2 + 2);
+    for k in units {
+        out.push(k);
+        match (k, sharing.mps) {
+            (Kind::Mig { profile, start }, Some(caps)) if sharing.mig_mps => {
+                let name = &gpu.spec.profiles[profile].name;
+                if shareable(MpsDeviceSpec::mig(gpu, name, start, caps), gpu.index)? {
+                    out.push(Kind::MigMps { profile, start });
+                }
+            }
+            (Kind::Whole, mps) => {
+                if let Some(caps) = mps
+                    && shareable(MpsDeviceSpec::whole(gpu, caps), gpu.index)?
+                {
+                    out.push(Kind::Mps);
+                }
+                if sharing.timeslice {
+                    out.push(Kind::TimeSlice);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Clone, Debug)]
@@ -596,42 +712,78 @@ fn gpu_units(g: &NodeGpu, order: DeviceOrder) -> Result<Vec<Kind>, SliceError> {
     }
 }
 
-fn plan(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<Planned>, SliceError> {
+fn plan(
+    gpus: &[NodeGpu],
+    order: DeviceOrder,
+    sharing: &SharingOptions,
+) -> Result<Vec<Planned>, SliceError> {
     let mut seen = std::collections::BTreeSet::new();
     for g in gpus {
         if !seen.insert(g.gpu.index) {
             return Err(SliceError::DuplicateGpu { index: g.gpu.index });
         }
     }
-    // (whole?, memory slices, compute slices, profile name, policy key) where
-    // the policy key orders the devices of one profile across the node.
-    type Key = (bool, u8, u8, String, (u8, u32, usize));
+    // (whole?, memory slices, compute slices, profile name, policy key,
+    // sharing rank) where the policy key orders the devices of one profile
+    // across the node and the sharing rank puts a sharing device right after
+    // its exclusive twin.
+    type Key = (bool, u8, u8, String, (u8, u32, usize), u8);
     let mut all: Vec<(Key, String, Planned)> = Vec::new();
     for (gi, g) in gpus.iter().enumerate() {
         let index = g.gpu.index;
         let spec = &g.gpu.spec;
         // carve_rank is per profile, not per device: compute it once per GPU.
         let ranks: Vec<Vec<u8>> = match order {
-            DeviceOrder::Carve => (0..spec.profiles.len()).map(|p| crate::order::carve_rank(spec, p)).collect(),
+            DeviceOrder::Carve => (0..spec.profiles.len())
+                .map(|p| crate::order::carve_rank(spec, p))
+                .collect(),
             DeviceOrder::FirstFit | DeviceOrder::Name => Vec::new(),
         };
-        for kind in gpu_units(g, order)? {
+        for kind in with_sharing(g, gpu_units(g, order)?, sharing)? {
+            let rank = kind.sharing_rank();
             let (key, nvidia_name, name) = match kind {
-                Kind::Whole => (
-                    (true, 0, 0, String::new(), (0, index, 0)),
-                    format!("gpu-{index}"),
-                    DeviceName::Gpu { gpu: index },
+                Kind::Whole | Kind::Mps | Kind::TimeSlice => (
+                    (true, 0, 0, String::new(), (0, index, 0), rank),
+                    match kind {
+                        Kind::Mps => format!("gpu-{index}-mps"),
+                        Kind::TimeSlice => format!("gpu-{index}-ts"),
+                        _ => format!("gpu-{index}"),
+                    },
+                    match kind {
+                        Kind::Mps => DeviceName::Mps { gpu: index },
+                        Kind::TimeSlice => DeviceName::TimeSlice { gpu: index },
+                        _ => DeviceName::Gpu { gpu: index },
+                    },
                 ),
-                Kind::Mig { profile, start } => {
+                Kind::Mig { profile, start } | Kind::MigMps { profile, start } => {
                     let p = &spec.profiles[profile];
-                    let name = DeviceName::mig(index, &p.name, start)
-                        .map_err(|source| SliceError::ProfileName { gpu: index, source })?;
+                    let name = match DeviceName::mig(index, &p.name, start)
+                        .map_err(|source| SliceError::ProfileName { gpu: index, source })?
+                    {
+                        DeviceName::Mig {
+                            gpu,
+                            profile,
+                            start,
+                        } if rank == 1 => DeviceName::MigMps {
+                            gpu,
+                            profile,
+                            start,
+                        },
+                        n => n,
+                    };
                     let policy = match order {
                         // Same key as `order::carve_device_key`, with the rank cached.
                         DeviceOrder::Carve => (
-                            crate::order::placement_tier(spec, profile, crate::spec::Placement::new(start, p.memory_slices)),
+                            crate::order::placement_tier(
+                                spec,
+                                profile,
+                                crate::spec::Placement::new(start, p.memory_slices),
+                            ),
                             index,
-                            ranks[profile].iter().position(|&s| s == start).unwrap_or(usize::MAX),
+                            ranks[profile]
+                                .iter()
+                                .position(|&s| s == start)
+                                .unwrap_or(usize::MAX),
                         ),
                         DeviceOrder::FirstFit | DeviceOrder::Name => (0, index, usize::from(start)),
                     };
@@ -642,9 +794,11 @@ fn plan(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<Planned>, SliceError
                             p.compute_slices,
                             p.name.clone(),
                             policy,
+                            rank,
                         ),
                         if order == DeviceOrder::Name {
-                            nvidia_device_name(spec, index, profile, start)
+                            let n = nvidia_device_name(spec, index, profile, start);
+                            if rank == 1 { format!("{n}-mps") } else { n }
                         } else {
                             String::new()
                         },
@@ -686,7 +840,10 @@ fn plan(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<Planned>, SliceError
 /// # Errors
 /// As [`build_slices`] for a GPU's spec or static instances.
 pub fn device_order(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<DeviceName>, SliceError> {
-    Ok(plan(gpus, order)?.into_iter().map(|p| p.name).collect())
+    Ok(plan(gpus, order, &SharingOptions::default())?
+        .into_iter()
+        .map(|p| p.name)
+        .collect())
 }
 
 // === attributes ===
@@ -830,10 +987,37 @@ fn make_device(
     gpu: &PhysicalGpu,
     common: &BTreeMap<String, DeviceAttribute>,
     model: Option<&CounterModel>,
-) -> Device {
+    sharing: &SharingOptions,
+) -> Result<Device, SliceError> {
     let spec = &gpu.spec;
     let mut attrs = common.clone();
-    match p.kind {
+    let shared = |r: Result<Device, SharingError>| {
+        r.map_err(|source| SliceError::Sharing {
+            gpu: gpu.index,
+            source,
+        })
+    };
+    let consumes = |c: Option<Vec<DeviceCounterConsumption>>| c.unwrap_or_default();
+    let caps = || {
+        sharing.mps.ok_or_else(|| SliceError::InvalidOption {
+            field: "sharing.mps",
+            value: "None".into(),
+            rule: "MPS devices need the node's MPS capabilities".into(),
+        })
+    };
+    Ok(match p.kind {
+        Kind::Mps => shared(
+            MpsDeviceSpec::whole(gpu, caps()?)
+                .and_then(|m| m.device(gpu, consumes(model.map(CounterModel::whole)))),
+        )?,
+        Kind::TimeSlice => shared(time_slice_device(
+            gpu,
+            consumes(model.map(CounterModel::whole)),
+        ))?,
+        Kind::MigMps { profile, start } => shared(
+            MpsDeviceSpec::mig(gpu, &spec.profiles[profile].name, start, caps()?)
+                .and_then(|m| m.device(gpu, consumes(model.map(|c| c.mig(spec, profile, start))))),
+        )?,
         Kind::Whole => {
             attrs.insert("type".into(), a_str("gpu"));
             Device {
@@ -863,7 +1047,7 @@ fn make_device(
                 ..Default::default()
             }
         }
-    }
+    })
 }
 
 // === names and labels ===
@@ -982,6 +1166,13 @@ fn check_options(o: &SliceOptions) -> Result<(), SliceError> {
     if o.generation < 0 {
         return Err(bad("generation", &o.generation.to_string(), "negative"));
     }
+    if o.sharing.mig_mps && o.sharing.mps.is_none() {
+        return Err(bad(
+            "sharing.mig_mps",
+            "true",
+            "MIG-MPS devices need sharing.mps (the node's MPS capabilities)",
+        ));
+    }
     Ok(())
 }
 
@@ -1009,14 +1200,18 @@ pub fn build_slices(
     opts: &SliceOptions,
 ) -> Result<Vec<ResourceSlice>, SliceError> {
     check_options(opts)?;
-    let planned = plan(gpus, opts.order)?;
+    let planned = plan(gpus, opts.order, &opts.sharing)?;
     // Layout enumeration is the costly part; do it once per distinct spec.
     let mut totals: Vec<(&GpuSpec, Totals)> = Vec::new();
     let mut models: Vec<Option<CounterModel>> = Vec::with_capacity(gpus.len());
     for g in gpus {
         let spec = &g.gpu.spec;
         if !spec.mig_capable {
-            models.push(None);
+            let whole_shared = opts.sharing.timeslice
+                || planned
+                    .iter()
+                    .any(|p| p.kind == Kind::Mps && std::ptr::eq(&gpus[p.gpu], g));
+            models.push(whole_shared.then(|| CounterModel::plain(&g.gpu)));
             continue;
         }
         let t = match totals.iter().find(|(s, _)| *s == spec) {
@@ -1036,12 +1231,16 @@ pub fn build_slices(
     let devices: Vec<(usize, Device)> = planned
         .iter()
         .map(|p| {
-            (
-                p.gpu,
-                make_device(p, &gpus[p.gpu].gpu, &commons[p.gpu], models[p.gpu].as_ref()),
+            make_device(
+                p,
+                &gpus[p.gpu].gpu,
+                &commons[p.gpu],
+                models[p.gpu].as_ref(),
+                &opts.sharing,
             )
+            .map(|d| (p.gpu, d))
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
 
     // Per-GPU limits: a GPU that alone breaks one cannot be published.
     let mut gpu_order: Vec<usize> = (0..gpus.len()).collect();

@@ -104,6 +104,9 @@ pub struct DeviceRecord {
 pub enum PreparedKind {
     /// The whole GPU.
     Gpu,
+    /// The whole GPU shared with other claims' time-slice shares: no limits,
+    /// no hardware change (the driver's default time-slicing scheduler).
+    TimeSlice,
     /// A MIG device.
     Mig {
         /// Profile name.

@@ -105,6 +105,10 @@ pub struct PluginConfig {
     pub unprepare_retry: Retry,
     /// Test hook, see [`WriteFault`]. `None` in production.
     pub write_fault: Option<WriteFault>,
+    /// Where the driver records prepare/unprepare latencies and failure
+    /// reasons, NVML call latencies, GI/CI counts per GPU (label: GPU UUID)
+    /// and checkpoint writes. `None`: nothing is recorded.
+    pub metrics: Option<std::sync::Arc<carve_metrics::Metrics>>,
 }
 
 impl PluginConfig {
@@ -131,6 +135,7 @@ impl PluginConfig {
             gc_interval: Some(Duration::from_secs(600)),
             unprepare_retry: Retry::default(),
             write_fault: None,
+            metrics: None,
         }
     }
 

@@ -66,7 +66,7 @@ pub enum ClaimError {
     /// A device name is not one of carve's.
     #[error(transparent)]
     BadDeviceName(#[from] NameError),
-    /// A device kind this plugin does not prepare (MPS, time-slicing).
+    /// A device kind this plugin does not prepare (MPS).
     #[error("device {device}: {kind} devices are not supported by this plugin")]
     Unsupported {
         /// Device.
@@ -361,6 +361,10 @@ impl Driver {
         backend: Arc<dyn GpuBackend>,
         client: kube::Client,
     ) -> Result<Self, PluginError> {
+        let backend = match &config.metrics {
+            Some(m) => crate::metrics::TimedBackend::wrap(backend, m.clone()),
+            None => backend,
+        };
         let b = backend.clone();
         let policies: BTreeMap<u32, GpuPolicy> = config.gpu_policy.clone();
         let default = config.default_policy;
@@ -467,7 +471,41 @@ impl Driver {
             .map_err(|e| CheckpointError::Io {
                 path: self.config.checkpoint_path.clone(),
                 source: std::io::Error::other(e),
-            })?
+            })??;
+        if let Some(m) = &self.config.metrics {
+            m.inc_checkpoint_writes();
+        }
+        Ok(())
+    }
+
+    /// Set the GI/CI gauges of the MIG-capable GPUs among `gpus` from NVML
+    /// (only with metrics configured). A failed read leaves the gauge as it was.
+    async fn record_instances(&self, gpus: impl IntoIterator<Item = u32>) {
+        let Some(m) = self.config.metrics.clone() else {
+            return;
+        };
+        let targets: Vec<(u32, String)> = gpus
+            .into_iter()
+            .filter_map(|g| self.gpus.get(&g))
+            .filter(|g| g.info.mig_capable)
+            .map(|g| (g.info.index, g.info.uuid.clone()))
+            .collect();
+        if targets.is_empty() {
+            return;
+        }
+        let b = self.backend.clone();
+        let _ = blocking(move || {
+            for (g, uuid) in targets {
+                match b.gpu_instances(g) {
+                    Ok(v) => {
+                        let cis: usize = v.iter().map(|gi| gi.compute_instances.len()).sum();
+                        m.set_instances(&uuid, v.len() as u64, cis as u64);
+                    }
+                    Err(e) => tracing::debug!(gpu = g, error = %e, "instance count for metrics"),
+                }
+            }
+        })
+        .await;
     }
 
     /// With a pod UID (rolling update: two plugin pods may run at once) every
@@ -536,7 +574,7 @@ impl Driver {
                 continue;
             }
             let (uuid, caps) = match &d.kind {
-                PreparedKind::Gpu => (d.gpu_uuid.clone(), Vec::new()),
+                PreparedKind::Gpu | PreparedKind::TimeSlice => (d.gpu_uuid.clone(), Vec::new()),
                 PreparedKind::Mig {
                     mig_uuid,
                     cap_minors,
@@ -557,9 +595,18 @@ impl Driver {
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)> {
         let futs = claims.into_iter().map(|c| async move {
+            let t = std::time::Instant::now();
             let r = self.prepare_one(&c).await;
             if let Err(e) = &r {
                 tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "prepare failed");
+            }
+            if let Some(m) = &self.config.metrics {
+                m.observe_prepare(
+                    t.elapsed(),
+                    r.as_ref()
+                        .map(|_| ())
+                        .map_err(crate::metrics::failure_reason),
+                );
             }
             (c, r)
         });
@@ -572,9 +619,18 @@ impl Driver {
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimRef, Result<(), ClaimError>)> {
         let futs = claims.into_iter().map(|c| async move {
+            let t = std::time::Instant::now();
             let r = self.unprepare_one(&c.uid).await;
             if let Err(e) = &r {
                 tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "unprepare failed");
+            }
+            if let Some(m) = &self.config.metrics {
+                m.observe_unprepare(
+                    t.elapsed(),
+                    r.as_ref()
+                        .map(|_| ())
+                        .map_err(crate::metrics::failure_reason),
+                );
             }
             (c, r)
         });
@@ -810,6 +866,7 @@ impl Driver {
             return Err(e);
         }
         drop(guards);
+        self.record_instances(gpu_ids).await;
         Ok(Self::prepared_devices(&rec))
     }
 
@@ -850,20 +907,34 @@ impl Driver {
                     by: format!("{}/{} ({})", h.namespace, h.name, h.uid),
                 });
             }
+            let time_slicer = st.claims.values().find(|c| {
+                c.uid != claim.uid
+                    && c.devices
+                        .iter()
+                        .any(|x| x.gpu_index == g && x.kind == PreparedKind::TimeSlice)
+            });
             match &d.kind {
-                PreparedKind::Gpu => {
-                    if let Some(o) = st
-                        .claims
-                        .values()
-                        .find(|c| c.uid != claim.uid && c.devices.iter().any(|x| x.gpu_index == g))
-                    {
+                PreparedKind::Gpu | PreparedKind::TimeSlice => {
+                    let shares = d.kind == PreparedKind::TimeSlice;
+                    if let Some(o) = st.claims.values().find(|c| {
+                        c.uid != claim.uid
+                            && c.devices.iter().any(|x| {
+                                x.gpu_index == g && !(shares && x.kind == PreparedKind::TimeSlice)
+                            })
+                    }) {
+                        let how = if o
+                            .devices
+                            .iter()
+                            .any(|x| x.gpu_index == g && x.kind == PreparedKind::TimeSlice)
+                        {
+                            "as a time-sliced GPU"
+                        } else {
+                            "using its MIG devices"
+                        };
                         return Err(ClaimError::GpuHeld {
                             device: d.device.clone(),
                             gpu: g,
-                            by: format!(
-                                "{}/{} ({}) using its MIG devices",
-                                o.namespace, o.name, o.uid
-                            ),
+                            by: format!("{}/{} ({}) {how}", o.namespace, o.name, o.uid),
                         });
                     }
                     if !instances.is_empty() {
@@ -884,6 +955,16 @@ impl Driver {
                     placement,
                     ..
                 } => {
+                    if let Some(o) = time_slicer {
+                        return Err(ClaimError::GpuHeld {
+                            device: d.device.clone(),
+                            gpu: g,
+                            by: format!(
+                                "{}/{} ({}) as a time-sliced GPU",
+                                o.namespace, o.name, o.uid
+                            ),
+                        });
+                    }
                     if let Some(o) = owner_of(g, *placement) {
                         return Err(ClaimError::Occupied {
                             device: d.device.clone(),
@@ -953,6 +1034,9 @@ impl Driver {
         for d in &devices {
             let data = match &d.kind {
                 PreparedKind::Gpu => serde_json::json!({"uuid": d.gpu_uuid}),
+                PreparedKind::TimeSlice => {
+                    serde_json::json!({"uuid": d.gpu_uuid, "sharing": "timeslice"})
+                }
                 PreparedKind::Mig {
                     profile,
                     placement,
@@ -1095,6 +1179,7 @@ impl Driver {
         drop(guard);
         drop(lock);
         self.drop_claim_lock(uid);
+        self.record_instances(gpu_ids).await;
         tracing::info!(claim.uid = %uid, "unprepared");
         Ok(())
     }
@@ -1254,7 +1339,7 @@ impl Driver {
                     profile_id,
                     ..
                 } => Some((d.gpu_index, *placement, *profile_id)),
-                PreparedKind::Gpu => None,
+                PreparedKind::Gpu | PreparedKind::TimeSlice => None,
             })
             .collect();
         let mut orphans: Vec<(u32, GpuInstanceInfo)> = Vec::new();
@@ -1342,7 +1427,12 @@ impl Driver {
         self.remove_stale_files(&wanted);
 
         Checkpoint::store(&body, &path, self.config.write_fault)?;
+        if let Some(m) = &self.config.metrics {
+            m.inc_checkpoint_writes();
+        }
         *self.state.lock().await = body;
+        self.record_instances(self.gpus.keys().copied().collect::<Vec<_>>())
+            .await;
         tracing::info!(?report, "recovery done");
         Ok(report)
     }
@@ -1568,7 +1658,7 @@ fn plan_claim(
                 }
             }
             DeviceName::Mps { .. } | DeviceName::MigMps { .. } => return Err(unsupported("MPS")),
-            DeviceName::TimeSlice { .. } => return Err(unsupported("time-sliced")),
+            DeviceName::TimeSlice { .. } => PreparedKind::TimeSlice,
         };
         let is_mig = matches!(kind, PreparedKind::Mig { .. });
         let caps = effective_capabilities(&configs, &r.request, &r.device, is_mig)?;
@@ -1605,7 +1695,7 @@ fn plan_claim(
                     gpu: a.record.gpu_index,
                     placement: match &a.record.kind {
                         PreparedKind::Mig { placement, .. } => *placement,
-                        PreparedKind::Gpu => Placement::new(0, 0),
+                        PreparedKind::Gpu | PreparedKind::TimeSlice => Placement::new(0, 0),
                     },
                     by: format!("device {} of the same claim", b.record.device),
                 });
@@ -1876,7 +1966,7 @@ mod tests {
                 assert!(*created);
                 assert!(gi.is_none());
             }
-            PreparedKind::Gpu => panic!("expected MIG"),
+            PreparedKind::Gpu | PreparedKind::TimeSlice => panic!("expected MIG"),
         }
         assert_eq!(p[1].record.kind, PreparedKind::Gpu);
         assert_eq!(p[1].record.gpu_uuid, "GPU-1");

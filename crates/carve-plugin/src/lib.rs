@@ -10,8 +10,11 @@
 //! reloads the checkpoint first, so the pods share one state.
 //!
 //! It is not the ResourceSlice publisher (`carve-kube`), not an NVML binding
-//! (`carve-nvml`), and does not serve the DRA health service, MPS or time-slicing
-//! devices (those device names are rejected per claim).
+//! (`carve-nvml`), and does not serve the DRA health service or MPS devices
+//! (those device names are rejected per claim). Time-slice devices
+//! (`gpu-<i>-ts`) are handed out as the whole GPU to every sharing claim,
+//! under the driver's default time-slicing scheduler: NVML offers no
+//! bare-metal time-slice policy carve could set.
 
 mod cdi;
 mod checkpoint;
@@ -20,6 +23,8 @@ mod config;
 mod driver;
 mod error;
 mod fsutil;
+pub mod health;
+mod metrics;
 mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -39,4 +44,5 @@ pub use config::{
 };
 pub use driver::{ClaimError, Driver, RecoveryReport};
 pub use error::PluginError;
+pub use metrics::failure_reason;
 pub use server::{Registration, Serving, SocketPaths, run, serve};

@@ -1,12 +1,16 @@
-//! Sockets, kubelet registration and the gRPC services.
+//! Sockets, kubelet registration and the gRPC services (DRA plugin v1 and
+//! v1beta1, and the DRA resource health stream when a monitor is attached).
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use carve_gpu::GpuBackend;
-use carve_proto::{dra_v1, dra_v1beta1, registration as reg};
+use carve_model::health::HealthStatus;
+use carve_proto::{dra_v1, dra_v1beta1, health_v1alpha1 as hv, registration as reg};
 use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
@@ -17,6 +21,7 @@ use crate::claim::ClaimRef;
 use crate::config::PluginConfig;
 use crate::driver::Driver;
 use crate::error::PluginError;
+use crate::health::{HealthHandle, HealthSnapshot};
 
 /// Longest path `sockaddr_un` takes (108 bytes including the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -278,6 +283,132 @@ impl dra_v1beta1::dra_plugin_server::DraPlugin for DraService {
     }
 }
 
+/// Options of [`serve_with`].
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// Serve `v1alpha1.DRAResourceHealth` on `dra.sock` from this monitor and
+    /// advertise it in `GetInfo`; `None`: neither.
+    pub health: Option<HealthHandle>,
+    /// Resend the complete health list at least this often even without a
+    /// change, with `last_updated_time` = the monitor's latest check (kubelet
+    /// marks devices not updated within its health timeout Unknown). `None`:
+    /// send on changes only. Default 10 s.
+    pub health_resend: Option<Duration>,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self {
+            health: None,
+            health_resend: Some(Duration::from_secs(10)),
+        }
+    }
+}
+
+fn unix_secs(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// The wire form of a snapshot: every device, in the monitor's order.
+fn health_response(
+    pool: &str,
+    snap: &HealthSnapshot,
+    checked: SystemTime,
+) -> hv::NodeWatchResourcesResponse {
+    hv::NodeWatchResourcesResponse {
+        devices: snap
+            .devices
+            .iter()
+            .map(|d| hv::DeviceHealth {
+                device: Some(hv::DeviceIdentifier {
+                    pool_name: pool.to_string(),
+                    device_name: d.device.to_string(),
+                }),
+                health: match d.status {
+                    HealthStatus::Unknown => hv::HealthStatus::Unknown,
+                    HealthStatus::Healthy => hv::HealthStatus::Healthy,
+                    HealthStatus::Unhealthy => hv::HealthStatus::Unhealthy,
+                } as i32,
+                last_updated_time: unix_secs(d.last_updated.max(checked)),
+                health_check_timeout_seconds: 0,
+                message: d.message.clone(),
+            })
+            .collect(),
+    }
+}
+
+#[derive(Debug, Clone)]
+struct HealthService {
+    health: HealthHandle,
+    pool: String,
+    resend: Option<Duration>,
+    stop: watch::Receiver<bool>,
+}
+
+struct WatchState {
+    health: HealthHandle,
+    rx: watch::Receiver<HealthSnapshot>,
+    stop: watch::Receiver<bool>,
+    tick: Option<tokio::time::Interval>,
+    pool: String,
+    first: bool,
+}
+
+type HealthStream =
+    Pin<Box<dyn futures::Stream<Item = Result<hv::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl hv::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<hv::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStream>, Status> {
+        let tick = self.resend.map(|d| {
+            let mut t = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        });
+        let st = WatchState {
+            health: self.health.clone(),
+            rx: self.health.subscribe(),
+            stop: self.stop.clone(),
+            tick,
+            pool: self.pool.clone(),
+            first: true,
+        };
+        tracing::info!("kubelet watches device health");
+        let s = futures::stream::unfold(st, |mut st| async move {
+            if st.first {
+                st.first = false;
+            } else {
+                let tick = st.tick.as_mut();
+                let resend = async move {
+                    match tick {
+                        Some(t) => {
+                            t.tick().await;
+                        }
+                        None => std::future::pending::<()>().await,
+                    }
+                };
+                tokio::select! {
+                    r = st.rx.changed() => if r.is_err() { return None },
+                    _ = st.stop.wait_for(|s| *s) => return None,
+                    () = resend => {}
+                }
+            }
+            if *st.stop.borrow() {
+                return None;
+            }
+            let msg = health_response(&st.pool, &st.rx.borrow_and_update(), st.health.last_check());
+            Some((Ok(msg), st))
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+}
+
 fn bind(path: &Path) -> Result<UnixListener, PluginError> {
     let io = |what| {
         move |source| PluginError::Io {
@@ -331,12 +462,28 @@ impl Serving {
 /// Bind both sockets (DRA service first, then registration, so kubelet never
 /// sees an endpoint that is not listening), serve until `shutdown` completes,
 /// then remove the sockets. Also runs the periodic claim GC if configured.
-/// When this returns, the sockets accept connections.
+/// When this returns, the sockets accept connections. No health service: see
+/// [`serve_with`].
 ///
 /// # Errors
 /// Socket setup.
 pub async fn serve(
     driver: Arc<Driver>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Serving, PluginError> {
+    serve_with(driver, ServeOptions::default(), shutdown).await
+}
+
+/// As [`serve`], and with [`ServeOptions::health`] set also serve
+/// `v1alpha1.DRAResourceHealth/NodeWatchResources` on `dra.sock` (advertised in
+/// `GetInfo.supported_versions` after the DRA plugin versions): the complete
+/// device list at stream start and on every change. Streams end at shutdown.
+///
+/// # Errors
+/// Socket setup.
+pub async fn serve_with(
+    driver: Arc<Driver>,
+    options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Serving, PluginError> {
     let config = driver.config().clone();
@@ -351,7 +498,11 @@ pub async fn serve(
                 .unwrap_or_else(|_| paths.dra.clone())
                 .to_string_lossy()
                 .into_owned(),
-            supported_versions: vec![dra_v1::VERSION.into(), dra_v1beta1::VERSION.into()],
+            supported_versions: [dra_v1::VERSION, dra_v1beta1::VERSION]
+                .into_iter()
+                .chain(options.health.as_ref().map(|_| hv::VERSION))
+                .map(String::from)
+                .collect(),
         },
         tx,
     };
@@ -369,9 +520,18 @@ pub async fn serve(
     let svc = DraService {
         driver: driver.clone(),
     };
+    let health = options.health.map(|health| {
+        hv::dra_resource_health_server::DraResourceHealthServer::new(HealthService {
+            health,
+            pool: config.pool_name.clone(),
+            resend: options.health_resend,
+            stop: stop_rx.clone(),
+        })
+    });
     let dra = tonic::transport::Server::builder()
         .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(svc.clone()))
         .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(svc))
+        .add_optional_service(health)
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(dra_listener),
             stopped(stop_rx.clone()),

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use carve_apiserver::{ApiServer, Options};
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, SliceError, SliceOptions, build_slices,
-    simulated_node,
+    GpuPolicy, KubeLayout, NodeGpu, SliceError, SliceOptions, build_slices, simulated_node,
 };
 
 use crate::{PublishError, SlicePublisher};

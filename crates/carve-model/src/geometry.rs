@@ -377,7 +377,9 @@ impl Totals {
     /// Sum over the instances of a layout.
     #[must_use]
     pub fn of(spec: &GpuSpec, layout: &[Instance]) -> Self {
-        layout.iter().fold(Self::default(), |t, i| t.plus(&spec.profiles[i.profile]))
+        layout
+            .iter()
+            .fold(Self::default(), |t, i| t.plus(&spec.profiles[i.profile]))
     }
 
     /// These totals plus one instance of `p`.
@@ -421,7 +423,13 @@ pub fn max_layout_totals(spec: &GpuSpec) -> Totals {
     }
     let cands = candidates(spec);
     let mut best = Totals::default();
-    rec(&mut Occupancy::new(spec), &cands, 0, Totals::default(), &mut best);
+    rec(
+        &mut Occupancy::new(spec),
+        &cands,
+        0,
+        Totals::default(),
+        &mut best,
+    );
     best
 }
 

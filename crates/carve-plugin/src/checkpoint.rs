@@ -237,7 +237,7 @@ impl Checkpoint {
         Ok(Some(c))
     }
 
-    /// Write atomically (temp file, fsync, rename, fsync directory).
+    /// Write atomically (temp file, fsync, rename; see `fsutil`).
     ///
     /// # Errors
     /// I/O; the previous checkpoint is then unchanged.

@@ -1,5 +1,14 @@
-//! Atomic file replacement: write a temp file next to the target, fsync it,
-//! rename it over the target, fsync the directory.
+//! Atomic file replacement: write a temp file next to the target, rename it
+//! over the target.
+//!
+//! Checkpoints are fsynced before the rename (the data reaches the disk before
+//! the name points at it). Nothing fsyncs directories, and CDI specs are not
+//! fsynced at all: both only matter across a power loss or kernel crash, and
+//! that means a new boot, where the checkpoint of the old boot is discarded
+//! (its boot id differs, and the GPU lost its instances) and `/var/run/cdi` is
+//! empty. A crash of the plugin process itself loses nothing the page cache
+//! holds. This keeps `fsync` (milliseconds on a busy disk) off the prepare path
+//! except once per checkpoint write.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -61,11 +70,12 @@ pub(crate) fn atomic_write(
             .truncate(true)
             .open(&tmp)?;
         f.write_all(bytes)?;
-        f.sync_all()?;
+        if kind == FileKind::Checkpoint {
+            f.sync_all()?;
+        }
         drop(f);
         maybe_abort(kind, fault);
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        std::fs::rename(&tmp, path)
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -73,17 +83,13 @@ pub(crate) fn atomic_write(
     res
 }
 
-/// Remove a file; a missing file counts as removed. Syncs the directory.
+/// Remove a file; a missing file counts as removed.
 pub(crate) fn remove_file(path: &Path) -> std::io::Result<()> {
     match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
     }
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

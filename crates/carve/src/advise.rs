@@ -48,13 +48,20 @@ impl MigFit {
     /// granted / requested.
     #[must_use]
     pub fn overhead(&self) -> f64 {
-        if self.requested == 0.0 { 1.0 } else { self.granted / self.requested }
+        if self.requested == 0.0 {
+            1.0
+        } else {
+            self.granted / self.requested
+        }
     }
 
     /// The profile most requests map to.
     #[must_use]
     pub fn most_common(&self) -> Option<&str> {
-        self.per_profile.iter().max_by_key(|(_, n)| **n).map(|(p, _)| p.as_str())
+        self.per_profile
+            .iter()
+            .max_by_key(|(_, n)| **n)
+            .map(|(p, _)| p.as_str())
     }
 }
 
@@ -84,9 +91,17 @@ pub fn mig_fit(spec: &GpuSpec, sizes: &[f64]) -> Result<MigFit, AdviseError> {
         return Err(AdviseError::NotMig(spec.product_name.clone()));
     }
     let total = f64::from(spec.compute_slices);
-    let mut profiles: Vec<_> = spec.profiles.iter().filter(|p| !p.media_extensions).collect();
+    let mut profiles: Vec<_> = spec
+        .profiles
+        .iter()
+        .filter(|p| !p.media_extensions)
+        .collect();
     profiles.sort_by_key(|p| (p.compute_slices, p.memory_slices));
-    let mut fit = MigFit { requested: 0.0, granted: 0.0, per_profile: BTreeMap::new() };
+    let mut fit = MigFit {
+        requested: 0.0,
+        granted: 0.0,
+        per_profile: BTreeMap::new(),
+    };
     for &s in sizes {
         if !(s > 0.0 && s <= 1.0) {
             return Err(AdviseError::BadSize(s));
@@ -135,7 +150,13 @@ pub const MIG_OVERHEAD_LIMIT: f64 = 1.15;
 ///
 /// # Errors
 /// Bad sizes (see [`mig_fit`]).
-pub fn advise(spec: &GpuSpec, contention: Answer, fault_isolation: Answer, sizes: &[f64], bursty: bool) -> Result<Advice, AdviseError> {
+pub fn advise(
+    spec: &GpuSpec,
+    contention: Answer,
+    fault_isolation: Answer,
+    sizes: &[f64],
+    bursty: bool,
+) -> Result<Advice, AdviseError> {
     let fit = mig_fit(spec, sizes)?;
     let mut reasons = Vec::new();
     let overhead = fit.overhead();
@@ -176,11 +197,18 @@ pub fn advise(spec: &GpuSpec, contention: Answer, fault_isolation: Answer, sizes
         Sharing::MpsHard
     };
     let yaml = claim_yaml(spec, sharing, &fit, sizes);
-    Ok(Advice { sharing, reasons, fit, yaml })
+    Ok(Advice {
+        sharing,
+        reasons,
+        fit,
+        yaml,
+    })
 }
 
 fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> String {
-    let mut y = String::from("apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: gpu-share\nspec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n");
+    let mut y = String::from(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: gpu-share\nspec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n",
+    );
     match sharing {
         Sharing::Mig => {
             let p = fit.most_common().unwrap_or("1g.10gb");
@@ -214,7 +242,13 @@ impl fmt::Display for Advice {
         for r in &self.reasons {
             writeln!(f, "  - {r}")?;
         }
-        write!(f, "MIG fit: {:.1} compute slices requested, {:.0} granted ({:.2}x);", self.fit.requested, self.fit.granted, self.fit.overhead())?;
+        write!(
+            f,
+            "MIG fit: {:.1} compute slices requested, {:.0} granted ({:.2}x);",
+            self.fit.requested,
+            self.fit.granted,
+            self.fit.overhead()
+        )?;
         for (p, n) in &self.fit.per_profile {
             write!(f, " {p}×{n}")?;
         }
@@ -275,7 +309,10 @@ mod tests {
 
     #[test]
     fn bad_sizes_are_named() {
-        assert_eq!(mig_fit(&h100(), &[1.5]).unwrap_err(), AdviseError::BadSize(1.5));
+        assert_eq!(
+            mig_fit(&h100(), &[1.5]).unwrap_err(),
+            AdviseError::BadSize(1.5)
+        );
         assert_eq!(mig_fit(&h100(), &[]).unwrap_err(), AdviseError::NoSizes);
         let l4 = GpuModel::find("l4").unwrap().spec();
         assert!(matches!(mig_fit(&l4, &[0.5]), Err(AdviseError::NotMig(_))));

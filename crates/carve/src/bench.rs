@@ -9,6 +9,9 @@ use carve_model::slices::KubeLayout;
 pub enum BenchCommand {
     /// Time to build and validate a node's slices, and API writes on an unchanged restart.
     Slices(SlicesBench),
+    /// Driver overhead per prepare/unprepare, concurrent throughput, plugin RSS and
+    /// time to registration, with the NVML simulator.
+    Prepare(crate::bench_prepare::PrepareBench),
     /// Replay the Alibaba openb trace on MIG GPUs and compare device-order policies
     /// (NVIDIA's name order, first-fit, best-fit, random, carve, a repack bound).
     Fragmentation(FragBench),
@@ -63,15 +66,18 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Slices(a) => {
             let layout = KubeLayout::for_version(a.kube_version.major, a.kube_version.minor)?;
             let rt = tokio::runtime::Runtime::new()?;
-            let figures = rt.block_on(carve_kube::bench::run(carve_kube::bench::SliceBenchOptions {
-                model: a.model,
-                gpus: a.gpus,
-                iterations: a.iterations,
-                layout,
-            }))?;
+            let figures = rt.block_on(carve_kube::bench::run(
+                carve_kube::bench::SliceBenchOptions {
+                    model: a.model,
+                    gpus: a.gpus,
+                    iterations: a.iterations,
+                    layout,
+                },
+            ))?;
             println!("{figures}");
             Ok(ExitCode::SUCCESS)
         }
+        BenchCommand::Prepare(a) => crate::bench_prepare::run(&a),
         BenchCommand::Fragmentation(a) => {
             let mut cfg = carve_frag::BenchConfig::new(&a.trace);
             cfg.nodes = a.nodes;

@@ -31,7 +31,10 @@ pub struct ExplainArgs {
 }
 
 fn embedded_classes() -> anyhow::Result<Vec<Object>> {
-    Ok(carve_alloc::parse_yaml_documents(Path::new("<built-in deviceclasses.yaml>"), DEVICE_CLASSES)?)
+    Ok(carve_alloc::parse_yaml_documents(
+        Path::new("<built-in deviceclasses.yaml>"),
+        DEVICE_CLASSES,
+    )?)
 }
 
 fn load_claim(path: &Path) -> anyhow::Result<ResourceClaim> {
@@ -78,7 +81,11 @@ pub fn defrag(args: &DefragArgs) -> anyhow::Result<String> {
             .with_context(|| format!("{}: no node in the state", args.state.display()))?,
     };
     let plan = carve_alloc::plan_defrag(&inputs, &claim, &node)?;
-    Ok(if args.json { serde_json::to_string_pretty(&plan)? + "\n" } else { format!("{plan}\n") })
+    Ok(if args.json {
+        serde_json::to_string_pretty(&plan)? + "\n"
+    } else {
+        format!("{plan}\n")
+    })
 }
 
 /// Build the allocator inputs and the claim; returns (text, fits).
@@ -94,7 +101,10 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
                 order: crate::slices::Order::Carve,
                 output: crate::slices::Output::Yaml,
             };
-            crate::slices::build(&sargs)?.into_iter().map(Object::Slice).collect()
+            crate::slices::build(&sargs)?
+                .into_iter()
+                .map(Object::Slice)
+                .collect()
         }
     };
     if !objects.iter().any(|o| matches!(o, Object::Class(_))) {
@@ -117,8 +127,16 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     match alloc.allocate(&claim, &node) {
         Ok(result) => {
             let mut out = format!("claim {name} fits on node {node}:\n");
-            for r in result.devices.iter().flat_map(|d| d.results.iter().flatten()) {
-                let _ = write!(out, "  request {:<12} -> {} (pool {})", r.request, r.device, r.pool);
+            for r in result
+                .devices
+                .iter()
+                .flat_map(|d| d.results.iter().flatten())
+            {
+                let _ = write!(
+                    out,
+                    "  request {:<12} -> {} (pool {})",
+                    r.request, r.device, r.pool
+                );
                 if let Some(c) = &r.consumed_capacity {
                     let caps: Vec<String> = c.iter().map(|(k, v)| format!("{k}={}", v.0)).collect();
                     let _ = write!(out, "  consumes {}", caps.join(" "));
@@ -128,7 +146,11 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
             Ok((out, true))
         }
         Err(carve_alloc::AllocError::Unsatisfiable(expl)) => {
-            let text = if args.json { serde_json::to_string_pretty(&expl)? + "\n" } else { expl.to_string() };
+            let text = if args.json {
+                serde_json::to_string_pretty(&expl)? + "\n"
+            } else {
+                expl.to_string()
+            };
             Ok((text, false))
         }
         Err(e) => Err(e.into()),
@@ -146,7 +168,13 @@ mod tests {
     }
 
     fn args(claim: PathBuf, gpus: &str) -> ExplainArgs {
-        ExplainArgs { claim, slices: None, simulate_gpus: gpus.into(), node: None, json: false }
+        ExplainArgs {
+            claim,
+            slices: None,
+            simulate_gpus: gpus.into(),
+            node: None,
+            json: false,
+        }
     }
 
     const CLAIM_7G: &str = "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: big\n  namespace: default\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig.gpu.carve.dev\n        count: 3\n        selectors:\n        - cel:\n            expression: device.attributes[\"gpu.carve.dev\"].profile == \"7g.80gb\"\n";
@@ -173,7 +201,11 @@ mod tests {
     #[test]
     fn a_file_without_a_claim_is_named() {
         let dir = tempfile::tempdir().unwrap();
-        let p = write(dir.path(), "x.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: x\n");
+        let p = write(
+            dir.path(),
+            "x.yaml",
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: x\n",
+        );
         let e = run(&args(p.clone(), "h100-80gb:1")).unwrap_err();
         assert!(format!("{e:#}").contains("x.yaml"), "{e:#}");
     }

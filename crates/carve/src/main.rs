@@ -5,8 +5,11 @@
 
 mod advise;
 mod bench;
+mod bench_prepare;
 mod explain;
+mod plugin;
 mod render;
+mod simulate;
 mod slices;
 
 use std::process::ExitCode;
@@ -18,7 +21,13 @@ use clap::{Parser, Subcommand};
 #[command(name = "carve", version, about, propagate_version = true)]
 struct Cli {
     /// Log format.
-    #[arg(long, global = true, value_enum, default_value = "text", env = "CARVE_LOG_FORMAT")]
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "text",
+        env = "CARVE_LOG_FORMAT"
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -32,6 +41,12 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The kubelet plugin (node agent): publish the node's GPUs, prepare and
+    /// unprepare claims.
+    KubeletPlugin(Box<plugin::PluginArgs>),
+    /// The main job: a simulated GPU node with the real kubelet plugin, the example
+    /// claims allocated, prepared and released, and a picture of the GPUs.
+    Simulate(simulate::SimulateArgs),
     /// Print exactly the ResourceSlices carve would publish for a simulated node.
     Slices(slices::SlicesArgs),
     /// Say which devices a claim would get, or why it does not fit and what would make it fit.
@@ -69,8 +84,12 @@ pub struct NvmlArgs {
 impl NvmlArgs {
     /// Open the NVML backend.
     pub fn open(&self) -> anyhow::Result<carve_nvml::NvmlBackend> {
-        let opts = carve_nvml::NvmlOptions { lib_path: Some(self.nvml_lib.clone()), proc_root: self.proc_driver_nvidia.clone() };
-        carve_nvml::NvmlBackend::open(opts).map_err(|e| anyhow::anyhow!("opening NVML from {}: {e}", self.nvml_lib.display()))
+        let opts = carve_nvml::NvmlOptions {
+            lib_path: Some(self.nvml_lib.clone()),
+            proc_root: self.proc_driver_nvidia.clone(),
+        };
+        carve_nvml::NvmlBackend::open(opts)
+            .map_err(|e| anyhow::anyhow!("opening NVML from {}: {e}", self.nvml_lib.display()))
     }
 }
 
@@ -119,7 +138,9 @@ fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CARVE_LOG")
         .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => b.init(),
         LogFormat::Json => b.json().init(),
@@ -144,6 +165,11 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
             print!("{}", models_table());
             Ok(ExitCode::SUCCESS)
         }
+        Command::Simulate(a) => simulate::run(&a),
+        Command::KubeletPlugin(a) => {
+            plugin::run(*a)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Slices(a) => {
             print!("{}", slices::run(&a)?);
             Ok(ExitCode::SUCCESS)
@@ -151,7 +177,11 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Explain(a) => {
             let (text, fits) = explain::run(&a)?;
             print!("{text}");
-            Ok(if fits { ExitCode::SUCCESS } else { ExitCode::from(1) })
+            Ok(if fits {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         Command::NvmlProbe(a) => {
             let backend = a.open()?;
@@ -167,8 +197,14 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Apiserver(a) => {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async {
-                let opts = carve_apiserver::Options { addr: a.addr, version: a.kube_version };
-                eprintln!("carve apiserver: serving Kubernetes {} on http://{}", a.kube_version, a.addr);
+                let opts = carve_apiserver::Options {
+                    addr: a.addr,
+                    version: a.kube_version,
+                };
+                eprintln!(
+                    "carve apiserver: serving Kubernetes {} on http://{}",
+                    a.kube_version, a.addr
+                );
                 carve_apiserver::serve(opts, async {
                     let _ = tokio::signal::ctrl_c().await;
                 })
@@ -178,7 +214,8 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Advise(a) => {
             let spec = find_model(&a.model)?.spec();
-            let advice = advise::advise(&spec, a.contention, a.fault_isolation, &a.sizes, a.bursty)?;
+            let advice =
+                advise::advise(&spec, a.contention, a.fault_isolation, &a.sizes, a.bursty)?;
             print!("{advice}");
             Ok(ExitCode::SUCCESS)
         }
@@ -186,8 +223,12 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
 }
 
 fn find_model(key: &str) -> anyhow::Result<&'static carve_model::GpuModel> {
-    carve_model::GpuModel::find(key)
-        .ok_or_else(|| anyhow::anyhow!("unknown GPU model {key:?}; known: {}", carve_model::GpuModel::keys().join(", ")))
+    carve_model::GpuModel::find(key).ok_or_else(|| {
+        anyhow::anyhow!(
+            "unknown GPU model {key:?}; known: {}",
+            carve_model::GpuModel::keys().join(", ")
+        )
+    })
 }
 
 fn models_table() -> String {
@@ -195,7 +236,11 @@ fn models_table() -> String {
     let mut out = String::new();
     for m in carve_model::MODELS {
         let s = m.spec();
-        let _ = writeln!(out, "{:<11} {} ({}, {} MiB, {} SMs)", m.key, s.product_name, s.architecture, s.memory_mib, s.multiprocessors);
+        let _ = writeln!(
+            out,
+            "{:<11} {} ({}, {} MiB, {} SMs)",
+            m.key, s.product_name, s.architecture, s.memory_mib, s.multiprocessors
+        );
         for p in &s.profiles {
             let starts: Vec<String> = p.placements.iter().map(|pl| pl.start.to_string()).collect();
             let _ = writeln!(
@@ -209,7 +254,11 @@ fn models_table() -> String {
                 p.memory_mib,
                 p.max_instances,
                 starts.join(","),
-                if p.inferred { "  (some values inferred)" } else { "" }
+                if p.inferred {
+                    "  (some values inferred)"
+                } else {
+                    ""
+                }
             );
         }
     }

@@ -3,8 +3,8 @@
 
 use std::fmt::Write as _;
 
-use carve_model::geometry::{Instance, Occupancy};
 use carve_model::GpuSpec;
+use carve_model::geometry::{Instance, Occupancy};
 
 /// One MIG instance on a GPU and who holds it.
 #[derive(Clone, Debug)]
@@ -51,7 +51,10 @@ impl GpuPicture {
             if let Some(pi) = self.spec.profiles.iter().position(|p| p.name == h.profile) {
                 // The picture shows what exists even if it conflicts; the
                 // stranded figure uses only what fits.
-                let _ = occ.place(Instance { profile: pi, start: h.start });
+                let _ = occ.place(Instance {
+                    profile: pi,
+                    start: h.start,
+                });
                 let size = self.spec.profiles[pi].memory_slices;
                 for s in h.start..(h.start + size).min(self.spec.memory_slices) {
                     cells[usize::from(s)] = Cell::Held(k);
@@ -79,15 +82,26 @@ impl GpuPicture {
         let mut out = String::new();
         if !self.spec.mig_capable {
             let who = self.whole.as_deref().unwrap_or("free");
-            let _ = writeln!(out, "{} ({}): not MIG-capable, whole GPU: {who}", self.name, self.spec.product_name);
+            let _ = writeln!(
+                out,
+                "{} ({}): not MIG-capable, whole GPU: {who}",
+                self.name, self.spec.product_name
+            );
             return out;
         }
         let (cells, stranded) = self.cells();
-        let used = cells.iter().filter(|c| matches!(c, Cell::Held(_) | Cell::Whole)).count();
+        let used = cells
+            .iter()
+            .filter(|c| matches!(c, Cell::Held(_) | Cell::Whole))
+            .count();
         let _ = writeln!(
             out,
             "{} ({}): {used}/{} memory slices used, stranded {} memory / {} compute slices",
-            self.name, self.spec.product_name, self.spec.memory_slices, stranded.memory_slices, stranded.compute_slices
+            self.name,
+            self.spec.product_name,
+            self.spec.memory_slices,
+            stranded.memory_slices,
+            stranded.compute_slices
         );
         let mut row = String::from("  |");
         let mut idx = String::from("   ");
@@ -104,7 +118,14 @@ impl GpuPicture {
         let _ = writeln!(out, "{idx}");
         let _ = writeln!(out, "{row}");
         for (k, h) in self.held.iter().enumerate() {
-            let _ = writeln!(out, "   {} = {} {} at slice {}", letter(k), h.holder, h.profile, h.start);
+            let _ = writeln!(
+                out,
+                "   {} = {} {} at slice {}",
+                letter(k),
+                h.holder,
+                h.profile,
+                h.start
+            );
         }
         if let Some(w) = &self.whole {
             let _ = writeln!(out, "   W = {w} (whole GPU)");
@@ -117,10 +138,16 @@ fn letter(k: usize) -> char {
     char::from(b'A' + u8::try_from(k % 26).unwrap_or(0))
 }
 
-const COLORS: &[&str] = &["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"];
+const COLORS: &[&str] = &[
+    "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+    "#9c755f",
+];
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 /// An SVG of every GPU, one row each.
@@ -136,24 +163,50 @@ pub fn to_svg(gpus: &[GpuPicture]) -> String {
     );
     for (r, g) in gpus.iter().enumerate() {
         let y = 30 + r * row_h;
-        let _ = writeln!(s, "<text x=\"10\" y=\"{}\">{} {}</text>", y + 25, esc(&g.name), esc(&g.spec.product_name));
+        let _ = writeln!(
+            s,
+            "<text x=\"10\" y=\"{}\">{} {}</text>",
+            y + 25,
+            esc(&g.name),
+            esc(&g.spec.product_name)
+        );
         if !g.spec.mig_capable {
-            let fill = if g.whole.is_some() { COLORS[0] } else { "#dddddd" };
-            let _ = writeln!(s, "<rect x=\"{left}\" y=\"{y}\" width=\"{}\" height=\"40\" fill=\"{fill}\" stroke=\"#333\"/>", 8 * cell);
+            let fill = if g.whole.is_some() {
+                COLORS[0]
+            } else {
+                "#dddddd"
+            };
+            let _ = writeln!(
+                s,
+                "<rect x=\"{left}\" y=\"{y}\" width=\"{}\" height=\"40\" fill=\"{fill}\" stroke=\"#333\"/>",
+                8 * cell
+            );
             continue;
         }
         let (cells, _) = g.cells();
         for (i, c) in cells.iter().enumerate() {
             let x = left + i * cell;
             let (fill, label) = match c {
-                Cell::Held(k) => (COLORS[*k % COLORS.len()], format!("{} {}", g.held[*k].holder, g.held[*k].profile)),
+                Cell::Held(k) => (
+                    COLORS[*k % COLORS.len()],
+                    format!("{} {}", g.held[*k].holder, g.held[*k].profile),
+                ),
                 Cell::Whole => (COLORS[0], g.whole.clone().unwrap_or_default()),
                 Cell::Free => ("#dddddd", "free".into()),
                 Cell::Stranded => ("#f4cccc", "stranded".into()),
             };
-            let _ = writeln!(s, "<rect x=\"{x}\" y=\"{y}\" width=\"{cell}\" height=\"40\" fill=\"{fill}\" stroke=\"#333\"/>");
+            let _ = writeln!(
+                s,
+                "<rect x=\"{x}\" y=\"{y}\" width=\"{cell}\" height=\"40\" fill=\"{fill}\" stroke=\"#333\"/>"
+            );
             let short: String = label.chars().take(13).collect();
-            let _ = writeln!(s, "<text x=\"{}\" y=\"{}\">{}</text>", x + 3, y + 24, esc(&short));
+            let _ = writeln!(
+                s,
+                "<text x=\"{}\" y=\"{}\">{}</text>",
+                x + 3,
+                y + 24,
+                esc(&short)
+            );
         }
     }
     s.push_str("</svg>\n");
@@ -171,7 +224,13 @@ mod tests {
         let g = GpuPicture {
             name: "gpu-0".into(),
             spec,
-            held: (0..7).map(|s| Held { holder: format!("c{s}"), profile: "1g.10gb".into(), start: s }).collect(),
+            held: (0..7)
+                .map(|s| Held {
+                    holder: format!("c{s}"),
+                    profile: "1g.10gb".into(),
+                    start: s,
+                })
+                .collect(),
             whole: None,
         };
         let t = g.to_text();
@@ -184,7 +243,16 @@ mod tests {
     #[test]
     fn svg_has_one_rect_per_slice_and_escapes() {
         let spec = GpuModel::find("a30").unwrap().spec();
-        let g = GpuPicture { name: "gpu-0".into(), spec, held: vec![Held { holder: "<a>".into(), profile: "2g.12gb".into(), start: 2 }], whole: None };
+        let g = GpuPicture {
+            name: "gpu-0".into(),
+            spec,
+            held: vec![Held {
+                holder: "<a>".into(),
+                profile: "2g.12gb".into(),
+                start: 2,
+            }],
+            whole: None,
+        };
         let svg = to_svg(&[g]);
         assert_eq!(svg.matches("<rect").count(), 4);
         assert!(svg.contains("&lt;a&gt;"));

@@ -60,12 +60,19 @@ pub struct SlicesArgs {
 
 /// Build the slices of a simulated node.
 pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
-    let models = slices::parse_gpu_spec(&args.gpus).with_context(|| format!("--gpus {:?}", args.gpus))?;
+    let models =
+        slices::parse_gpu_spec(&args.gpus).with_context(|| format!("--gpus {:?}", args.gpus))?;
     let gpus = slices::simulated_gpus(&models)?;
     let layout = KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)?;
     let mut opts = SliceOptions::new(&args.node, layout);
     opts.order = args.order.into();
-    let node: Vec<NodeGpu> = gpus.into_iter().map(|gpu| NodeGpu { gpu, policy: GpuPolicy::Dynamic }).collect();
+    let node: Vec<NodeGpu> = gpus
+        .into_iter()
+        .map(|gpu| NodeGpu {
+            gpu,
+            policy: GpuPolicy::Dynamic,
+        })
+        .collect();
     Ok(slices::build_slices(&node, &opts)?)
 }
 
@@ -88,11 +95,22 @@ pub fn run(args: &SlicesArgs) -> anyhow::Result<String> {
 
 fn table(built: &[ResourceSlice]) -> String {
     let mut out = String::new();
-    let devices: usize = built.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
+    let devices: usize = built
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
     let _ = writeln!(out, "{} slices, {} devices", built.len(), devices);
     for g in slices::summarize(built) {
-        let name = g.gpu.map_or_else(|| "-".to_string(), |i| format!("gpu-{i}"));
-        let _ = writeln!(out, "{name}  counter set {}", g.counter_set.as_deref().unwrap_or("(none: not MIG-capable)"));
+        let name = g
+            .gpu
+            .map_or_else(|| "-".to_string(), |i| format!("gpu-{i}"));
+        let _ = writeln!(
+            out,
+            "{name}  counter set {}",
+            g.counter_set
+                .as_deref()
+                .unwrap_or("(none: not MIG-capable)")
+        );
         if !g.counters.is_empty() {
             let c: Vec<String> = g.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let _ = writeln!(out, "    counters: {}", c.join(" "));
@@ -122,7 +140,10 @@ mod tests {
         let t = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
         assert!(t.contains("gpu-0  counter set gpu-0-counters"), "{t}");
         assert!(t.contains("1g.10gb×7"), "{t}");
-        assert!(t.contains("gpu-2  counter set (none: not MIG-capable)"), "{t}");
+        assert!(
+            t.contains("gpu-2  counter set (none: not MIG-capable)"),
+            "{t}"
+        );
     }
 
     #[test]

@@ -1,0 +1,1158 @@
+//! `carve bench prepare`: driver overhead per prepare/unprepare (total minus the
+//! time spent inside NVML calls), concurrent throughput over several GPUs, the
+//! RSS of the real `carve kubelet-plugin` process after many claims, and the
+//! time from process start to a registration socket that answers `GetInfo`.
+//!
+//! Everything runs on the NVML simulator library behind the real
+//! `NvmlBackend`, against the API-server stand-in over HTTP. It prints figures
+//! next to their targets; it never asserts timings. It is not a load test of a
+//! real GPU: simulator calls are far faster than NVML on hardware, which is
+//! why NVML time is measured and subtracted rather than assumed.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use carve_apiserver::{ApiServer, Options, Resource, Store};
+use carve_gpu::{
+    BackendError, ComputeInstanceInfo, ComputeMode, ComputeTarget, GpuBackend, GpuInfo,
+    GpuInstanceInfo, MigMode,
+};
+use carve_model::{DeviceName, GpuModel, MigProfile, Placement};
+use carve_nvml::{NvmlBackend, NvmlOptions};
+use carve_plugin::testing::{FakeKubelet, uds_channel};
+use carve_plugin::{ClaimRef, Driver, PluginConfig, Retry};
+use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
+
+/// Per-call driver overhead target (p99, NVML time excluded).
+const OVERHEAD_TARGET: Duration = Duration::from_millis(1);
+/// Plugin RSS target, bytes (MB = 10^6 bytes).
+const RSS_TARGET_BYTES: u64 = 20_000_000;
+/// Start-to-registered target.
+const START_TARGET: Duration = Duration::from_secs(1);
+/// Peak RSS of NVIDIA's Go plugin printing `--help`, bytes.
+const NVIDIA_HELP_RSS_BYTES: u64 = 58_000_000;
+/// How often plugin starts are timed.
+const STARTS: usize = 5;
+/// Longest wait for a plugin to register or exit.
+const PROCESS_DEADLINE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct PrepareBench {
+    /// Prepare+unprepare cycles: timed one at a time, then again concurrently,
+    /// and driven through the plugin process for its RSS.
+    #[arg(long, default_value_t = 1000)]
+    pub iterations: u32,
+    /// Simulated GPUs on the node.
+    #[arg(long, default_value_t = 8)]
+    pub gpus: u32,
+    /// Claims prepared at once in the throughput run (at most one per
+    /// smallest-profile placement of the node: 56 on 8 H100s).
+    #[arg(long, default_value_t = 56)]
+    pub concurrency: u32,
+    /// GPU model of the simulated node (MIG-capable).
+    #[arg(long, default_value = "h100-80gb")]
+    pub model: String,
+    /// Skip the plugin-process part (RSS, time to registration).
+    #[arg(long)]
+    pub skip_rss: bool,
+    /// The NVML simulator library (default: next to this executable).
+    #[arg(long)]
+    pub nvml_sim_lib: Option<PathBuf>,
+    /// Where the plugin's files go (checkpoint, CDI specs, sockets): the
+    /// node's disk by default; `/dev/shm` takes disk flushes out of the figures.
+    #[arg(long, default_value = "/tmp")]
+    pub files_dir: PathBuf,
+}
+
+/// A [`GpuBackend`] that delegates every call to the real backend and sums the
+/// time spent inside it: measurement instrumentation, not a stand-in.
+#[derive(Debug)]
+pub(crate) struct TimedBackend {
+    inner: Arc<dyn GpuBackend>,
+    nanos: AtomicU64,
+    calls: AtomicU64,
+    gi_created: AtomicU64,
+    gi_destroyed: AtomicU64,
+    ci_created: AtomicU64,
+    ci_destroyed: AtomicU64,
+}
+
+/// Counters of a [`TimedBackend`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub nanos: u64,
+    pub calls: u64,
+    pub gi_created: u64,
+    pub gi_destroyed: u64,
+    pub ci_created: u64,
+    pub ci_destroyed: u64,
+}
+
+impl TimedBackend {
+    pub(crate) fn new(inner: Arc<dyn GpuBackend>) -> Self {
+        Self {
+            inner,
+            nanos: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+            gi_created: AtomicU64::new(0),
+            gi_destroyed: AtomicU64::new(0),
+            ci_created: AtomicU64::new(0),
+            ci_destroyed: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn counts(&self) -> Counts {
+        Counts {
+            nanos: self.nanos.load(Ordering::SeqCst),
+            calls: self.calls.load(Ordering::SeqCst),
+            gi_created: self.gi_created.load(Ordering::SeqCst),
+            gi_destroyed: self.gi_destroyed.load(Ordering::SeqCst),
+            ci_created: self.ci_created.load(Ordering::SeqCst),
+            ci_destroyed: self.ci_destroyed.load(Ordering::SeqCst),
+        }
+    }
+
+    fn timed<T>(&self, f: impl FnOnce(&dyn GpuBackend) -> T) -> T {
+        let t = Instant::now();
+        let r = f(&*self.inner);
+        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(ns, Ordering::SeqCst);
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        r
+    }
+
+    fn count_ok<T>(r: &Result<T, BackendError>, c: &AtomicU64) {
+        if r.is_ok() {
+            c.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl GpuBackend for TimedBackend {
+    fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError> {
+        self.timed(|b| b.gpus())
+    }
+    fn profiles(&self, gpu: u32) -> Result<Vec<MigProfile>, BackendError> {
+        self.timed(|b| b.profiles(gpu))
+    }
+    fn mig_mode(&self, gpu: u32) -> Result<MigMode, BackendError> {
+        self.timed(|b| b.mig_mode(gpu))
+    }
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigMode, BackendError> {
+        self.timed(|b| b.set_mig_mode(gpu, enabled))
+    }
+    fn gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceInfo>, BackendError> {
+        self.timed(|b| b.gpu_instances(gpu))
+    }
+    fn create_gpu_instance(
+        &self,
+        gpu: u32,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<GpuInstanceInfo, BackendError> {
+        let r = self.timed(|b| b.create_gpu_instance(gpu, profile_id, placement));
+        Self::count_ok(&r, &self.gi_created);
+        r
+    }
+    fn create_compute_instance(
+        &self,
+        gpu: u32,
+        gi: u32,
+    ) -> Result<ComputeInstanceInfo, BackendError> {
+        let r = self.timed(|b| b.create_compute_instance(gpu, gi));
+        Self::count_ok(&r, &self.ci_created);
+        r
+    }
+    fn destroy_compute_instance(&self, gpu: u32, gi: u32, ci: u32) -> Result<(), BackendError> {
+        let r = self.timed(|b| b.destroy_compute_instance(gpu, gi, ci));
+        Self::count_ok(&r, &self.ci_destroyed);
+        r
+    }
+    fn destroy_gpu_instance(&self, gpu: u32, gi: u32) -> Result<(), BackendError> {
+        let r = self.timed(|b| b.destroy_gpu_instance(gpu, gi));
+        Self::count_ok(&r, &self.gi_destroyed);
+        r
+    }
+    fn capability_minor(
+        &self,
+        gpu_minor: u32,
+        gi: u32,
+        ci: Option<u32>,
+    ) -> Result<u32, BackendError> {
+        self.timed(|b| b.capability_minor(gpu_minor, gi, ci))
+    }
+    fn compute_mode(&self, target: ComputeTarget) -> Result<ComputeMode, BackendError> {
+        self.timed(|b| b.compute_mode(target))
+    }
+    fn set_compute_mode(
+        &self,
+        target: ComputeTarget,
+        mode: ComputeMode,
+    ) -> Result<(), BackendError> {
+        self.timed(|b| b.set_compute_mode(target, mode))
+    }
+}
+
+/// The simulator library: `--nvml-sim-lib`, else the newer of
+/// `<exe dir>/libnvidia_ml_sim.so` and `<exe dir>/deps/libnvidia_ml_sim.so`.
+fn sim_library(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = explicit {
+        if p.is_file() {
+            return Ok(p.to_path_buf());
+        }
+        bail!("--nvml-sim-lib {}: no such file", p.display());
+    }
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let candidates = [
+        dir.join("libnvidia_ml_sim.so"),
+        dir.join("deps").join("libnvidia_ml_sim.so"),
+    ];
+    // Both may exist (cargo uplifts the library only when building its crate
+    // itself); the newer one is the one built with this executable.
+    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    candidates.iter().filter(|c| c.is_file()).max_by_key(|c| mtime(c)).cloned().with_context(|| {
+        format!(
+            "NVML simulator library not found at {} or {}; build carve-nvml-sim or pass --nvml-sim-lib",
+            candidates[0].display(),
+            candidates[1].display()
+        )
+    })
+}
+
+/// Directory for simulator state: tmpfs when the host has `/dev/shm`.
+fn sim_parent() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// One simulated node on disk: plugin directories under a temp dir (the
+/// node's ordinary file system), simulator state on tmpfs, a private copy of
+/// the simulator library with its side-car configuration.
+#[derive(Debug)]
+struct BenchNode {
+    dir: tempfile::TempDir,
+    _sim_dir: tempfile::TempDir,
+    lib: PathBuf,
+    sidecar: PathBuf,
+    sim: SimConfig,
+    config: PluginConfig,
+}
+
+const NODE: &str = "bench-node";
+
+impl BenchNode {
+    fn new(lib_src: &Path, model: &str, gpus: u32, files_dir: &Path) -> anyhow::Result<Self> {
+        // Short base path: socket paths must fit in sockaddr_un (108 bytes).
+        let dir = tempfile::Builder::new()
+            .prefix("cbp")
+            .tempdir_in(files_dir)
+            .with_context(|| format!("--files-dir {}: creating a temp dir", files_dir.display()))?;
+        let sim_parent = sim_parent();
+        let sim_dir = tempfile::Builder::new()
+            .prefix("carve-bench-sim")
+            .tempdir_in(&sim_parent)
+            .with_context(|| format!("creating a temp dir in {}", sim_parent.display()))?;
+        let d = dir.path();
+        let lib = d.join("libnvidia_ml_sim.so");
+        std::fs::copy(lib_src, &lib)
+            .with_context(|| format!("copying {} to {}", lib_src.display(), lib.display()))?;
+        let sim = SimConfig::new(NODE, vec![GpuEntry::new(model, gpus, true)], sim_dir.path());
+        let mut side = lib.as_os_str().to_owned();
+        side.push(nvidia_ml_sim::SIDECAR_SUFFIX);
+        let sidecar = PathBuf::from(side);
+        sim.to_file(&sidecar)?;
+        std::fs::write(d.join("boot_id"), "bench-boot\n").context("writing boot id")?;
+        let mut c = PluginConfig::new(NODE);
+        c.plugins_registry_dir = d.join("registry");
+        c.plugin_dir = d.join("plugins");
+        c.cdi_dir = d.join("cdi");
+        c.checkpoint_path = d.join("state").join("checkpoint.json");
+        c.boot_id_path = d.join("boot_id");
+        c.gc_interval = None;
+        c.unprepare_retry = Retry {
+            attempts: 3,
+            initial: Duration::from_millis(1),
+            max: Duration::from_millis(4),
+        };
+        for p in [
+            &c.plugins_registry_dir,
+            &c.plugin_dir,
+            &c.cdi_dir,
+            &d.join("state"),
+        ] {
+            std::fs::create_dir_all(p).with_context(|| format!("creating {}", p.display()))?;
+        }
+        Ok(Self {
+            dir,
+            _sim_dir: sim_dir,
+            lib,
+            sidecar,
+            sim,
+            config: c,
+        })
+    }
+
+    fn backend(&self) -> anyhow::Result<Arc<dyn GpuBackend>> {
+        let b = NvmlBackend::open(NvmlOptions {
+            lib_path: Some(self.lib.clone()),
+            proc_root: self.sim.proc_root.clone(),
+        })
+        .with_context(|| format!("opening the NVML simulator {}", self.lib.display()))?;
+        Ok(Arc::new(b))
+    }
+
+    /// GPU instances alive per the simulator's persisted state.
+    fn live_instances(&self) -> anyhow::Result<usize> {
+        let s = SimState::load(&self.sim.state_file)?;
+        Ok(s.map_or(0, |s| s.gpus.iter().map(|g| g.gpu_instances.len()).sum()))
+    }
+
+    fn cdi_files(&self) -> usize {
+        std::fs::read_dir(&self.config.cdi_dir)
+            .map(|rd| rd.flatten().count())
+            .unwrap_or(0)
+    }
+}
+
+/// Store an allocated ResourceClaim naming one device of this node's pool.
+fn put_claim(store: &Store, name: &str, uid: &str, device: &str) -> anyhow::Result<ClaimRef> {
+    let obj = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "mig.gpu.carve.dev"}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": carve_model::DRIVER_NAME, "pool": NODE, "device": device}
+        ], "config": []}}}
+    });
+    store
+        .insert(Resource::ResourceClaims, obj)
+        .with_context(|| format!("storing ResourceClaim {name}"))?;
+    Ok(ClaimRef {
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+    })
+}
+
+/// Every (profile, placement) of the model, for the one-at-a-time run.
+fn all_placements(model: &GpuModel) -> Vec<(String, u8)> {
+    let spec = model.spec();
+    spec.profiles
+        .iter()
+        .flat_map(|p| p.placements.iter().map(|pl| (p.name.clone(), pl.start)))
+        .collect()
+}
+
+/// `concurrency` devices that can be live at once: the smallest profile's
+/// placements, spread round-robin over the GPUs.
+fn concurrent_devices(
+    model: &GpuModel,
+    gpus: u32,
+    concurrency: u32,
+) -> anyhow::Result<Vec<String>> {
+    let spec = model.spec();
+    let smallest = spec
+        .profiles
+        .iter()
+        .filter(|p| !p.placements.is_empty())
+        .min_by_key(|p| (p.memory_slices, p.compute_slices))
+        .with_context(|| format!("model {} has no MIG profiles", model.key))?;
+    // Placements that do not overlap each other (greedy by start).
+    let mut starts: Vec<Placement> = Vec::new();
+    for pl in &smallest.placements {
+        if starts.iter().all(|s| !s.overlaps(*pl)) {
+            starts.push(*pl);
+        }
+    }
+    let capacity = u64::from(gpus) * starts.len() as u64;
+    if u64::from(concurrency) > capacity || concurrency == 0 {
+        bail!(
+            "--concurrency {concurrency}: must be 1..={capacity} ({gpus} GPUs x {} placements of {} on {})",
+            starts.len(),
+            smallest.name,
+            model.key
+        );
+    }
+    (0..concurrency)
+        .map(|j| {
+            let gpu = j % gpus;
+            let slot = (j / gpus) as usize;
+            Ok(DeviceName::mig(gpu, &smallest.name, starts[slot].start)?.to_string())
+        })
+        .collect()
+}
+
+fn check_args(a: &PrepareBench) -> anyhow::Result<&'static GpuModel> {
+    if a.iterations == 0 {
+        bail!("--iterations must be at least 1");
+    }
+    if a.gpus == 0 {
+        bail!("--gpus must be at least 1");
+    }
+    let model = GpuModel::find(&a.model).with_context(|| {
+        format!(
+            "--model {:?}: unknown GPU model; known: {}",
+            a.model,
+            GpuModel::keys().join(", ")
+        )
+    })?;
+    if model.spec().profiles.is_empty() {
+        bail!("--model {}: not MIG-capable", model.key);
+    }
+    concurrent_devices(model, a.gpus, a.concurrency)?;
+    Ok(model)
+}
+
+/// Figures of the in-process part.
+#[derive(Debug, Default)]
+pub(crate) struct InProcess {
+    /// Per call: (total, NVML) for prepare.
+    pub prepare: Vec<(Duration, Duration)>,
+    /// Per call: (total, NVML) for unprepare.
+    pub unprepare: Vec<(Duration, Duration)>,
+    /// Claims in the concurrent run.
+    pub concurrent_claims: u64,
+    /// Wall time of all concurrent prepares.
+    pub concurrent_prepare_wall: Duration,
+    /// Wall time of all concurrent unprepares.
+    pub concurrent_unprepare_wall: Duration,
+    /// Backend counters at the end.
+    pub counts: Counts,
+    /// Prepares and unprepares that succeeded.
+    pub prepares_ok: u64,
+    pub unprepares_ok: u64,
+    /// GPU instances alive at the end (simulator state).
+    pub live_at_end: usize,
+    /// CDI specs left at the end.
+    pub cdi_left: usize,
+}
+
+/// The in-process part: one at a time, then `concurrency` at once.
+pub(crate) async fn in_process(
+    a: &PrepareBench,
+    model: &GpuModel,
+    lib: &Path,
+) -> anyhow::Result<InProcess> {
+    let node = BenchNode::new(lib, model.key, a.gpus, &a.files_dir)?;
+    let api = ApiServer::start(Options::default()).await?;
+    let store = api.store();
+    let timed = Arc::new(TimedBackend::new(node.backend()?));
+    let driver = Driver::new(node.config.clone(), timed.clone(), api.try_client()?).await?;
+    driver.recover().await?;
+    let mut out = InProcess::default();
+
+    // One at a time over every profile placement, GPUs in turn.
+    let placements = all_placements(model);
+    let mut seq = Vec::new();
+    for i in 0..a.iterations {
+        let (profile, start) = &placements[i as usize % placements.len()];
+        let dev = DeviceName::mig(i % a.gpus, profile, *start)?.to_string();
+        seq.push(put_claim(
+            &store,
+            &format!("seq-{i}"),
+            &format!("uid-seq-{i}"),
+            &dev,
+        )?);
+    }
+    for c in &seq {
+        let before = timed.counts().nanos;
+        let t = Instant::now();
+        driver
+            .prepare_one(c)
+            .await
+            .with_context(|| format!("prepare {c}"))?;
+        let total = t.elapsed();
+        let nvml = Duration::from_nanos(timed.counts().nanos - before);
+        out.prepare.push((total, nvml));
+        out.prepares_ok += 1;
+        let before = timed.counts().nanos;
+        let t = Instant::now();
+        driver
+            .unprepare_one(&c.uid)
+            .await
+            .with_context(|| format!("unprepare {c}"))?;
+        let total = t.elapsed();
+        let nvml = Duration::from_nanos(timed.counts().nanos - before);
+        out.unprepare.push((total, nvml));
+        out.unprepares_ok += 1;
+    }
+
+    // `concurrency` claims at once, in rounds.
+    let devices = concurrent_devices(model, a.gpus, a.concurrency)?;
+    let rounds = (a.iterations / a.concurrency).max(1);
+    let mut all = Vec::new();
+    for r in 0..rounds {
+        let batch: Vec<ClaimRef> = devices
+            .iter()
+            .enumerate()
+            .map(|(j, d)| {
+                put_claim(
+                    &store,
+                    &format!("con-{r}-{j}"),
+                    &format!("uid-con-{r}-{j}"),
+                    d,
+                )
+            })
+            .collect::<anyhow::Result<_>>()?;
+        all.push(batch);
+    }
+    for batch in &all {
+        let t = Instant::now();
+        let res = futures::future::join_all(batch.iter().map(|c| driver.prepare_one(c))).await;
+        out.concurrent_prepare_wall += t.elapsed();
+        for (c, r) in batch.iter().zip(res) {
+            r.with_context(|| format!("concurrent prepare {c}"))?;
+            out.prepares_ok += 1;
+        }
+        let t = Instant::now();
+        let res =
+            futures::future::join_all(batch.iter().map(|c| driver.unprepare_one(&c.uid))).await;
+        out.concurrent_unprepare_wall += t.elapsed();
+        for (c, r) in batch.iter().zip(res) {
+            r.with_context(|| format!("concurrent unprepare {c}"))?;
+            out.unprepares_ok += 1;
+        }
+        out.concurrent_claims += batch.len() as u64;
+    }
+    out.counts = timed.counts();
+    drop(driver);
+    out.live_at_end = node.live_instances()?;
+    out.cdi_left = node.cdi_files();
+    api.shutdown().await;
+    Ok(out)
+}
+
+/// Figures of the plugin-process part.
+#[derive(Debug, Default)]
+struct ProcessFigures {
+    starts: Vec<Duration>,
+    /// VmRSS, VmHWM, RssAnon, RssFile once registered.
+    rss_idle_kib: [u64; 4],
+    /// The same after the cycles.
+    rss_after_kib: [u64; 4],
+    rss_kib: u64,
+    hwm_kib: u64,
+    cycles: u64,
+    help_peak_kib: u64,
+    live_at_end: usize,
+}
+
+/// `VmRSS`, `VmHWM`, `RssAnon` and `RssFile` of a process, KiB.
+fn proc_rss(pid: u32) -> anyhow::Result<[u64; 4]> {
+    let path = format!("/proc/{pid}/status");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .with_context(|| format!("{path}: no {name} line"))
+    };
+    Ok([
+        field("VmRSS:")?,
+        field("VmHWM:")?,
+        field("RssAnon:")?,
+        field("RssFile:")?,
+    ])
+}
+
+/// The largest peak RSS (KiB) among this process's reaped children.
+fn children_max_rss_kib() -> anyhow::Result<u64> {
+    let u = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
+        .context("getrusage(RUSAGE_CHILDREN)")?;
+    Ok(u64::try_from(u.max_rss()).unwrap_or(0))
+}
+
+struct Plugin {
+    child: tokio::process::Child,
+    log: PathBuf,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("pid", &self.child.id())
+            .field("log", &self.log)
+            .finish()
+    }
+}
+
+fn tail(path: &Path) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let start = s.len().saturating_sub(4000);
+    let start = (start..s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
+    s[start..].to_string()
+}
+
+impl Plugin {
+    /// Spawn `carve kubelet-plugin` for `node`; returns it with the start instant.
+    fn spawn(
+        carve: &Path,
+        node: &BenchNode,
+        api_url: &str,
+        n: usize,
+    ) -> anyhow::Result<(Self, Instant)> {
+        let c = &node.config;
+        let reg = node.registration_socket();
+        if reg.exists() {
+            std::fs::remove_file(&reg)
+                .with_context(|| format!("removing stale {}", reg.display()))?;
+        }
+        let log = node.dir.path().join(format!("plugin-{n}.log"));
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        let s = |p: &Path| p.display().to_string();
+        let mut cmd = tokio::process::Command::new(carve);
+        cmd.arg("kubelet-plugin")
+            .args(["--node-name", NODE])
+            .args(["--plugins-dir", &s(&c.plugin_dir)])
+            .args(["--registry-dir", &s(&c.plugins_registry_dir)])
+            .args(["--cdi-dir", &s(&c.cdi_dir)])
+            .args(["--state-dir", &s(&node.dir.path().join("state"))])
+            .args(["--proc-driver-nvidia", &s(&node.sim.proc_root)])
+            .args(["--nvml-lib", &s(&node.lib)])
+            .args(["--kube-api-url", api_url])
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env(nvidia_ml_sim::CONFIG_ENV, &node.sidecar)
+            .env_remove(nvidia_ml_sim::FAULTS_ENV)
+            .env_remove("CARVE_NVML_LIB")
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .kill_on_drop(true);
+        let t0 = Instant::now();
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawning {} kubelet-plugin", carve.display()))?;
+        Ok((Self { child, log }, t0))
+    }
+
+    fn pid(&self) -> anyhow::Result<u32> {
+        self.child.id().context("plugin process already reaped")
+    }
+
+    /// Wait until the registration socket answers `GetInfo` (polled every
+    /// 200 µs: this is a measurement, not a test wait).
+    async fn wait_registered(&mut self, reg: &Path) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait()? {
+                bail!(
+                    "carve kubelet-plugin exited with {st} before registering; its log:\n{}",
+                    tail(&self.log)
+                );
+            }
+            if reg.exists()
+                && let Ok(ch) = uds_channel(reg).await
+            {
+                let mut r =
+                    carve_proto::registration::registration_client::RegistrationClient::new(ch);
+                if r.get_info(carve_proto::registration::InfoRequest {})
+                    .await
+                    .is_ok()
+                {
+                    return Ok(());
+                }
+            }
+            if t0.elapsed() > PROCESS_DEADLINE {
+                bail!(
+                    "carve kubelet-plugin did not answer GetInfo on {} within {PROCESS_DEADLINE:?}; its log:\n{}",
+                    reg.display(),
+                    tail(&self.log)
+                );
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within the deadline; reaps it.
+    async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(pid) = self.child.id() {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        }
+        match tokio::time::timeout(PROCESS_DEADLINE, self.child.wait()).await {
+            Ok(r) => {
+                r?;
+            }
+            Err(_) => {
+                self.child.kill().await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BenchNode {
+    fn registration_socket(&self) -> PathBuf {
+        self.config
+            .plugins_registry_dir
+            .join(format!("{}-reg.sock", carve_model::DRIVER_NAME))
+    }
+}
+
+/// `carve --help` peak RSS (KiB) from the kernel's high-water mark of the
+/// reaped child (the counter behind VmHWM; /proc is gone once it exits).
+/// Linux also counts the memory the child had before `exec`, i.e. this
+/// process's at spawn: run first, while this process is small, and still an
+/// upper bound. Also one when this process reaped a bigger child earlier.
+fn help_peak_kib(carve: &Path) -> anyhow::Result<u64> {
+    let st = std::process::Command::new(carve)
+        .arg("--help")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .with_context(|| format!("running {} --help", carve.display()))?;
+    if !st.success() {
+        bail!("{} --help exited with {st}", carve.display());
+    }
+    children_max_rss_kib()
+}
+
+async fn plugin_process(
+    a: &PrepareBench,
+    model: &GpuModel,
+    lib: &Path,
+    help_kib: u64,
+) -> anyhow::Result<ProcessFigures> {
+    let carve = std::env::current_exe().context("locating this executable")?;
+    let mut f = ProcessFigures {
+        help_peak_kib: help_kib,
+        ..ProcessFigures::default()
+    };
+
+    let node = BenchNode::new(lib, model.key, a.gpus, &a.files_dir)?;
+    let api = ApiServer::start(Options::default()).await?;
+    let store = api.store();
+    let reg = node.registration_socket();
+
+    for n in 0..STARTS {
+        let (mut p, t0) = Plugin::spawn(&carve, &node, &api.url(), n)?;
+        p.wait_registered(&reg).await?;
+        f.starts.push(t0.elapsed());
+        p.stop().await?;
+    }
+
+    let (mut p, _) = Plugin::spawn(&carve, &node, &api.url(), STARTS)?;
+    p.wait_registered(&reg).await?;
+    let kubelet = FakeKubelet::register(&reg, carve_model::DRIVER_NAME).await?;
+    f.rss_idle_kib = proc_rss(p.pid()?)?;
+    let devices = concurrent_devices(model, a.gpus, a.concurrency)?;
+    let mut done = 0u64;
+    let mut round = 0u64;
+    while done < u64::from(a.iterations) {
+        let n = (u64::from(a.iterations) - done).min(devices.len() as u64) as usize;
+        let batch: Vec<ClaimRef> = devices[..n]
+            .iter()
+            .enumerate()
+            .map(|(j, d)| {
+                put_claim(
+                    &store,
+                    &format!("rss-{round}-{j}"),
+                    &format!("uid-rss-{round}-{j}"),
+                    d,
+                )
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let prep = futures::future::join_all(
+            batch
+                .iter()
+                .map(|c| kubelet.prepare(std::slice::from_ref(c))),
+        )
+        .await;
+        for (c, r) in batch.iter().zip(prep) {
+            let r = r?;
+            let e = r
+                .claims
+                .get(&c.uid)
+                .map_or("no result", |x| x.error.as_str());
+            if !e.is_empty() {
+                bail!("plugin process: prepare {c}: {e}");
+            }
+        }
+        let unp = futures::future::join_all(
+            batch
+                .iter()
+                .map(|c| kubelet.unprepare(std::slice::from_ref(c))),
+        )
+        .await;
+        for (c, r) in batch.iter().zip(unp) {
+            let r = r?;
+            let e = r
+                .claims
+                .get(&c.uid)
+                .map_or("no result", |x| x.error.as_str());
+            if !e.is_empty() {
+                bail!("plugin process: unprepare {c}: {e}");
+            }
+        }
+        done += n as u64;
+        round += 1;
+    }
+    f.cycles = done;
+    f.rss_after_kib = proc_rss(p.pid()?)?;
+    f.rss_kib = f.rss_after_kib[0];
+    f.hwm_kib = f.rss_after_kib[1];
+    drop(kubelet);
+    p.stop().await?;
+    f.live_at_end = node.live_instances()?;
+    api.shutdown().await;
+    Ok(f)
+}
+
+/// Nearest-rank percentile of durations (sorted in place).
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.sort_unstable();
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3}", d.as_secs_f64() * 1e3)
+}
+
+fn mb(kib: u64) -> f64 {
+    kib as f64 * 1024.0 / 1e6
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "ok" } else { "MISSED" }
+}
+
+fn row(out: &mut String, figure: &str, value: &str, target: &str, baseline: &str, result: &str) {
+    let _ = writeln!(
+        out,
+        "{figure:<54} {value:>32}  {target:<16} {baseline:<34} {result}"
+    );
+}
+
+/// The in-process rows, and whether every target was met.
+pub(crate) fn report_in_process(a: &PrepareBench, r: &InProcess, out: &mut String) -> bool {
+    let split = |v: &[(Duration, Duration)]| {
+        let mut total: Vec<Duration> = v.iter().map(|x| x.0).collect();
+        let mut nvml: Vec<Duration> = v.iter().map(|x| x.1).collect();
+        let mut over: Vec<Duration> = v.iter().map(|x| x.0.saturating_sub(x.1)).collect();
+        (
+            (pct(&mut total, 50.0), pct(&mut total, 99.0)),
+            (pct(&mut nvml, 50.0), pct(&mut nvml, 99.0)),
+            (pct(&mut over, 50.0), pct(&mut over, 99.0)),
+        )
+    };
+    let mut all_ok = true;
+    let seq_total: Duration = r.prepare.iter().chain(&r.unprepare).map(|x| x.0).sum();
+    for (name, v) in [("prepare", &r.prepare), ("unprepare", &r.unprepare)] {
+        let (t, n, o) = split(v);
+        row(
+            out,
+            &format!("{name}: total p50 / p99 (ms)"),
+            &format!("{} / {}", ms(t.0), ms(t.1)),
+            "",
+            "",
+            "",
+        );
+        row(
+            out,
+            &format!("{name}: inside NVML p50 / p99 (ms)"),
+            &format!("{} / {}", ms(n.0), ms(n.1)),
+            "",
+            "",
+            "",
+        );
+        let ok = o.1 <= OVERHEAD_TARGET;
+        all_ok &= ok;
+        row(
+            out,
+            &format!("{name}: overhead (total - NVML) p50 / p99 (ms)"),
+            &format!("{} / {}", ms(o.0), ms(o.1)),
+            "p99 <= 1 ms",
+            "",
+            verdict(ok),
+        );
+    }
+    let seq_rate = if seq_total.is_zero() {
+        0.0
+    } else {
+        r.prepare.len() as f64 / seq_total.as_secs_f64()
+    };
+    let rate = |wall: Duration| {
+        if wall.is_zero() {
+            0.0
+        } else {
+            r.concurrent_claims as f64 / wall.as_secs_f64()
+        }
+    };
+    let both = r.concurrent_prepare_wall + r.concurrent_unprepare_wall;
+    row(
+        out,
+        &format!(
+            "concurrent prepare, {} at once on {} GPUs (claims/s)",
+            a.concurrency, a.gpus
+        ),
+        &format!("{:.0}", rate(r.concurrent_prepare_wall)),
+        "",
+        "",
+        "",
+    );
+    row(
+        out,
+        "concurrent unprepare (claims/s)",
+        &format!("{:.0}", rate(r.concurrent_unprepare_wall)),
+        "",
+        "",
+        "",
+    );
+    row(
+        out,
+        "concurrent prepare+unprepare cycles (claims/s)",
+        &format!("{:.0}", rate(both)),
+        "",
+        &format!("one at a time: {seq_rate:.0} claims/s"),
+        "",
+    );
+    let prepares = r.prepares_ok;
+    let unprepares = r.unprepares_ok;
+    let counts_ok = r.counts.gi_created == prepares
+        && r.counts.ci_created == prepares
+        && r.counts.gi_destroyed == unprepares
+        && r.counts.ci_destroyed == unprepares
+        && r.live_at_end == 0
+        && r.cdi_left == 0;
+    all_ok &= counts_ok;
+    row(
+        out,
+        "GI/CI created, destroyed; live; CDI left",
+        &format!(
+            "{}/{}, {}/{}; {}; {}",
+            r.counts.gi_created,
+            r.counts.ci_created,
+            r.counts.gi_destroyed,
+            r.counts.ci_destroyed,
+            r.live_at_end,
+            r.cdi_left
+        ),
+        &format!("{prepares}, {unprepares}; 0; 0"),
+        "",
+        verdict(counts_ok),
+    );
+    all_ok
+}
+
+fn report_process(a: &PrepareBench, f: &ProcessFigures, out: &mut String) -> bool {
+    let target = RSS_TARGET_BYTES as f64 / 1e6;
+    let base = format!(
+        "NVIDIA Go plugin --help: {:.0} MB",
+        NVIDIA_HELP_RSS_BYTES as f64 / 1e6
+    );
+    let rss_ok = mb(f.rss_kib) * 1e6 <= RSS_TARGET_BYTES as f64;
+    let hwm_ok = mb(f.hwm_kib) * 1e6 <= RSS_TARGET_BYTES as f64;
+    let split = |k: [u64; 4]| {
+        format!(
+            "{:.1} (anon {:.1}, file {:.1})",
+            mb(k[0]),
+            mb(k[2]),
+            mb(k[3])
+        )
+    };
+    row(
+        out,
+        "plugin VmRSS registered, idle (MB)",
+        &split(f.rss_idle_kib),
+        "",
+        "",
+        "",
+    );
+    row(
+        out,
+        &format!("plugin VmRSS after {} claims (MB)", f.cycles),
+        &split(f.rss_after_kib),
+        &format!("<= {target:.0} MB"),
+        &base,
+        verdict(rss_ok),
+    );
+    row(
+        out,
+        &format!("plugin VmHWM after {} claims (MB)", f.cycles),
+        &format!("{:.1}", mb(f.hwm_kib)),
+        &format!("<= {target:.0} MB"),
+        &base,
+        verdict(hwm_ok),
+    );
+    row(
+        out,
+        "carve --help peak RSS (MB, upper bound, see docs)",
+        &format!("{:.1}", mb(f.help_peak_kib)),
+        "",
+        &base,
+        "",
+    );
+    let mut s = f.starts.clone();
+    let p50 = pct(&mut s, 50.0);
+    let max = s.iter().copied().max().unwrap_or_default();
+    let start_ok = max <= START_TARGET;
+    row(
+        out,
+        &format!(
+            "start -> GetInfo answered, {} starts p50 / max (ms)",
+            f.starts.len()
+        ),
+        &format!("{} / {}", ms(p50), ms(max)),
+        "max <= 1 s",
+        "",
+        verdict(start_ok),
+    );
+    let live_ok = f.live_at_end == 0;
+    row(
+        out,
+        "plugin process: GPU instances left",
+        &f.live_at_end.to_string(),
+        "0",
+        "",
+        verdict(live_ok),
+    );
+    let _ = a;
+    rss_ok && hwm_ok && start_ok && live_ok
+}
+
+pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
+    if std::env::var_os(nvidia_ml_sim::CONFIG_ENV).is_some() {
+        bail!(
+            "{} is set: the simulator would use that configuration instead of the benchmark's; unset it",
+            nvidia_ml_sim::CONFIG_ENV
+        );
+    }
+    let model = check_args(args)?;
+    let lib = sim_library(args.nvml_sim_lib.as_deref())?;
+    let help_kib = if args.skip_rss {
+        0
+    } else {
+        help_peak_kib(&std::env::current_exe().context("locating this executable")?)?
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    println!(
+        "carve bench prepare: {} x {} (NVML simulator {}, simulator state in {}, plugin files in {}), {} iterations, build {}",
+        args.gpus,
+        model.key,
+        lib.display(),
+        sim_parent().display(),
+        args.files_dir.display(),
+        args.iterations,
+        if cfg!(debug_assertions) {
+            "debug (figures are pessimistic; use --release)"
+        } else {
+            "release"
+        }
+    );
+    let mut out = String::new();
+    row(&mut out, "figure", "value", "target", "baseline", "result");
+    let r = rt
+        .block_on(in_process(args, model, &lib))
+        .context("in-process part")?;
+    let mut ok = report_in_process(args, &r, &mut out);
+    print!("{out}");
+    out.clear();
+    if !args.skip_rss {
+        let f = rt
+            .block_on(plugin_process(args, model, &lib, help_kib))
+            .context("plugin-process part (RSS, time to registration; --skip-rss skips it)")?;
+        ok &= report_process(args, &f, &mut out);
+        print!("{out}");
+    }
+    Ok(if ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(iterations: u32, gpus: u32, concurrency: u32) -> PrepareBench {
+        PrepareBench {
+            iterations,
+            gpus,
+            concurrency,
+            model: "h100-80gb".into(),
+            skip_rss: true,
+            nvml_sim_lib: None,
+            files_dir: std::env::temp_dir(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_prepare_creates_one_instance_and_every_unprepare_destroys_it() {
+        let a = args(12, 2, 14);
+        let model = check_args(&a).unwrap();
+        let lib = sim_library(None).unwrap();
+        let r = in_process(&a, model, &lib).await.unwrap();
+        assert_eq!(r.prepare.len(), 12);
+        assert_eq!(r.unprepare.len(), 12);
+        // 12 one at a time, then max(1, 12 / 14) = 1 round of 14.
+        assert_eq!(r.concurrent_claims, 14);
+        assert_eq!(r.prepares_ok, 26);
+        assert_eq!(r.unprepares_ok, 26);
+        assert_eq!(r.counts.gi_created, 26);
+        assert_eq!(r.counts.ci_created, 26);
+        assert_eq!(r.counts.gi_destroyed, 26);
+        assert_eq!(r.counts.ci_destroyed, 26);
+        assert_eq!(r.live_at_end, 0);
+        assert_eq!(r.cdi_left, 0);
+        // NVML time is part of each call's total.
+        assert!(
+            r.prepare
+                .iter()
+                .chain(&r.unprepare)
+                .all(|(t, n)| n <= t && !n.is_zero())
+        );
+        let mut out = String::new();
+        assert!(report_in_process(&a, &r, &mut out) || out.contains("MISSED"));
+        assert!(out.contains("26/26, 26/26; 0; 0"), "{out}");
+    }
+
+    #[test]
+    fn bad_flags_are_named() {
+        let e = check_args(&args(10, 8, 57)).unwrap_err().to_string();
+        assert!(
+            e.contains("--concurrency 57") && e.contains("1..=56") && e.contains("1g.10gb"),
+            "{e}"
+        );
+        let e = check_args(&args(10, 1, 0)).unwrap_err().to_string();
+        assert!(e.contains("--concurrency 0"), "{e}");
+        let e = check_args(&args(0, 1, 1)).unwrap_err().to_string();
+        assert!(e.contains("--iterations"), "{e}");
+        let mut a = args(1, 1, 1);
+        a.model = "v100".into();
+        let e = check_args(&a).unwrap_err().to_string();
+        assert!(e.contains("v100") && e.contains("h100-80gb"), "{e}");
+        let e = sim_library(Some(Path::new("/nonexistent/lib.so")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/lib.so"), "{e}");
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let mut v: Vec<Duration> = (1..=100).rev().map(Duration::from_millis).collect();
+        assert_eq!(pct(&mut v, 50.0), Duration::from_millis(50));
+        assert_eq!(pct(&mut v, 99.0), Duration::from_millis(99));
+        assert_eq!(
+            pct(&mut [Duration::from_millis(7)], 99.0),
+            Duration::from_millis(7)
+        );
+    }
+}

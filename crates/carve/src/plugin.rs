@@ -1,0 +1,436 @@
+//! `carve kubelet-plugin`: the node agent. Reads the GPUs through NVML, publishes
+//! the node's ResourceSlices (and keeps them published), registers with the
+//! kubelet and serves NodePrepareResources / NodeUnprepareResources, with
+//! Prometheus metrics and health endpoints.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use carve_gpu::GpuBackend;
+use carve_model::PhysicalGpu;
+use carve_model::slices::{self, GpuPolicy as SlicePolicy, KubeLayout, NodeGpu, SliceOptions};
+use carve_plugin::{GpuPolicy, PluginConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct PluginArgs {
+    /// This node's name (the pool name of its slices).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// This pod's UID: socket names carry it so a new plugin pod can take over
+    /// without a gap during a rolling update.
+    #[arg(long, env = "POD_UID")]
+    pub pod_uid: Option<String>,
+    /// Kubelet's plugins directory; the DRA socket goes to `<dir>/gpu.carve.dev/`.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins")]
+    pub plugins_dir: PathBuf,
+    /// Kubelet's plugin registration directory.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins_registry")]
+    pub registry_dir: PathBuf,
+    /// Where transient CDI specs are written.
+    #[arg(long, default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
+    /// The plugin's state (checkpoint).
+    #[arg(long, default_value = "/var/lib/carve")]
+    pub state_dir: PathBuf,
+    #[command(flatten)]
+    pub nvml: crate::NvmlArgs,
+    /// Talk to this API server over plain HTTP (the stand-in, tests); default:
+    /// kubeconfig or in-cluster configuration.
+    #[arg(long)]
+    pub kube_api_url: Option<String>,
+    /// Address of `/metrics`, `/healthz` and `/readyz` (`:9400` = all interfaces).
+    #[arg(long, default_value = ":9400", value_parser = parse_listen_addr)]
+    pub metrics_addr: SocketAddr,
+    /// MIG policy: a default, then per-GPU overrides, e.g. `dynamic` or
+    /// `dynamic,1=static,3=static`. `static` GPUs keep an admin's layout.
+    #[arg(long, default_value = "dynamic", value_parser = parse_mig_policy)]
+    pub mig_policy: MigPolicy,
+    /// `nvidia-cuda-mps-control` to use for MPS sharing.
+    #[arg(long)]
+    pub mps_control: Option<PathBuf>,
+    /// How often prepared claims whose ResourceClaim is gone are cleaned up (seconds; 0 = never).
+    #[arg(long, default_value_t = 600)]
+    pub gc_interval_seconds: u64,
+    /// Shared devices to publish besides MIG partitions and whole GPUs:
+    /// `timeslice` (a shareable whole GPU, no memory or fault isolation; needs
+    /// consumable capacity: Kubernetes 1.36+, or 1.34/1.35 with the
+    /// DRAConsumableCapacity gate).
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub sharing: Vec<SharingKind>,
+    /// How often NVML health events are polled (seconds).
+    #[arg(long, default_value_t = 5)]
+    pub health_poll_seconds: u64,
+    /// How often the slices are re-checked against the API server (seconds).
+    #[arg(long, default_value_t = 60)]
+    pub resync_seconds: u64,
+    /// File with the node's boot id.
+    #[arg(long, default_value = "/proc/sys/kernel/random/boot_id", hide = true)]
+    pub boot_id_path: PathBuf,
+}
+
+/// A kind of shared device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SharingKind {
+    /// Time-sliced whole GPUs.
+    Timeslice,
+}
+
+/// Default and per-GPU MIG policies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigPolicy {
+    /// Policy of GPUs not listed.
+    pub default: GpuPolicy,
+    /// Per GPU index.
+    pub per_gpu: BTreeMap<u32, GpuPolicy>,
+}
+
+impl MigPolicy {
+    fn of(&self, gpu: u32) -> GpuPolicy {
+        self.per_gpu.get(&gpu).copied().unwrap_or(self.default)
+    }
+}
+
+fn policy_word(s: &str) -> Result<GpuPolicy, String> {
+    match s {
+        "dynamic" => Ok(GpuPolicy::Dynamic),
+        "static" => Ok(GpuPolicy::Static),
+        _ => Err(format!("{s:?} is not a MIG policy (dynamic or static)")),
+    }
+}
+
+/// Parse `dynamic` or `dynamic,1=static,3=static`.
+pub fn parse_mig_policy(s: &str) -> Result<MigPolicy, String> {
+    let mut parts = s.split(',');
+    let default = policy_word(parts.next().unwrap_or_default().trim())?;
+    let mut per_gpu = BTreeMap::new();
+    for p in parts {
+        let (i, w) = p
+            .split_once('=')
+            .ok_or_else(|| format!("{p:?} is not <gpu index>=<policy>"))?;
+        let i: u32 = i
+            .trim()
+            .parse()
+            .map_err(|_| format!("{i:?} is not a GPU index"))?;
+        if per_gpu.insert(i, policy_word(w.trim())?).is_some() {
+            return Err(format!("GPU {i} is listed twice"));
+        }
+    }
+    Ok(MigPolicy { default, per_gpu })
+}
+
+/// Parse `:9400`, `0.0.0.0:9400` or `127.0.0.1:0`.
+pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
+    let full = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
+    full.parse()
+        .map_err(|_| format!("{s:?} is not a listen address like :9400 or 127.0.0.1:9400"))
+}
+
+/// What the node publishes, read once from the backend.
+struct Inventory {
+    gpus: Vec<NodeGpu>,
+}
+
+/// Read the GPUs and decide per GPU what can be published. A GPU whose MIG data
+/// cannot be read or is inconsistent publishes only the whole device, with one
+/// error logged for it: the plugin still serves the rest.
+fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inventory> {
+    let infos = backend.gpus().context("listing GPUs through NVML")?;
+    let mut gpus = Vec::with_capacity(infos.len());
+    for info in infos {
+        let whole_only = |reason: &str| {
+            tracing::error!(gpu.index = info.index, gpu.uuid = %info.uuid, reason, "publishing only the whole GPU");
+        };
+        let mut profiles = Vec::new();
+        if info.mig_capable {
+            match backend.profiles(info.index) {
+                Ok(p) => profiles = p,
+                Err(e) => whole_only(&e.to_string()),
+            }
+        }
+        let mut spec = carve_nvml::gpu_spec(&info, profiles);
+        if spec.mig_capable
+            && let Err(e) = spec.validate()
+        {
+            whole_only(&e.to_string());
+            spec.profiles.clear();
+        }
+        if spec.profiles.is_empty() {
+            spec.mig_capable = false;
+            spec.memory_slices = 0;
+            spec.compute_slices = 0;
+        }
+        let mig_on = info.mig_mode.is_some_and(|m| m.current);
+        let slice_policy = if !spec.mig_capable {
+            SlicePolicy::Dynamic
+        } else {
+            match policy.of(info.index) {
+                GpuPolicy::Static => {
+                    let gis = backend
+                        .gpu_instances(info.index)
+                        .with_context(|| format!("GPU {}: listing GPU instances", info.index))?;
+                    let instances = gis
+                        .iter()
+                        .filter_map(|gi| {
+                            spec.profile_by_id(gi.profile_id)
+                                .map(|p| (p.name.clone(), gi.placement.start))
+                        })
+                        .collect();
+                    SlicePolicy::Static { instances }
+                }
+                GpuPolicy::Dynamic if !mig_on && info.architecture.mig_mode_needs_reset() => {
+                    whole_only(
+                        "MIG mode is off and enabling it needs a GPU reset on this architecture",
+                    );
+                    SlicePolicy::Static {
+                        instances: Vec::new(),
+                    }
+                }
+                GpuPolicy::Dynamic => SlicePolicy::Dynamic,
+            }
+        };
+        let driver_version =
+            slices::semver_of(&info.driver_version).unwrap_or_else(|| "0.0.0".into());
+        gpus.push(NodeGpu {
+            gpu: PhysicalGpu {
+                index: info.index,
+                minor: info.minor,
+                uuid: info.uuid,
+                pci_bus_id: Some(info.pci_bus_id),
+                pcie_root: None,
+                driver_version,
+                spec,
+            },
+            policy: slice_policy,
+        });
+    }
+    Ok(Inventory { gpus })
+}
+
+async fn kube_client(url: Option<&str>) -> anyhow::Result<kube::Client> {
+    match url {
+        Some(u) => {
+            let uri = u.parse().with_context(|| format!("--kube-api-url {u:?}"))?;
+            Ok(kube::Client::try_from(kube::Config::new(uri))?)
+        }
+        None => kube::Client::try_default().await.context(
+            "building a Kubernetes client from kubeconfig or the in-cluster configuration",
+        ),
+    }
+}
+
+fn ensure_dir(path: &Path, what: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(path)
+        .with_context(|| format!("{what} {}: cannot create", path.display()))
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}
+
+/// Run the plugin until SIGTERM / Ctrl-C.
+pub fn run(args: PluginArgs) -> anyhow::Result<()> {
+    if let Some(mps) = &args.mps_control {
+        bail!(
+            "--mps-control {}: MPS sharing is not wired into the kubelet plugin yet; remove the flag",
+            mps.display()
+        );
+    }
+    if !args.registry_dir.is_dir() {
+        bail!(
+            "--registry-dir {}: not a directory (the kubelet creates it)",
+            args.registry_dir.display()
+        );
+    }
+    ensure_dir(&args.state_dir, "--state-dir")?;
+    ensure_dir(&args.cdi_dir, "--cdi-dir")?;
+    let plugin_dir = args.plugins_dir.join(carve_model::DRIVER_NAME);
+    ensure_dir(&plugin_dir, "--plugins-dir")?;
+    let nvml = Arc::new(args.nvml.open()?);
+    let backend: Arc<dyn GpuBackend> = nvml.clone();
+    let events: Arc<dyn carve_gpu::GpuEvents> = nvml;
+    let inv = inventory(backend.as_ref(), &args.mig_policy)?;
+
+    // NVML calls run on blocking threads; a few are enough (operations on one
+    // GPU are serialised anyway), and each extra thread costs a malloc arena.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(8)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let client = kube_client(args.kube_api_url.as_deref()).await?;
+        let (major, minor) = carve_kube::server_version(&client).await.context("reading the API server version")?;
+        let layout = KubeLayout::for_version(major, minor)?;
+        let mut opts = SliceOptions::new(&args.node_name, layout);
+        opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
+        if opts.sharing.timeslice && (major, minor) < (1, 36) {
+            tracing::warn!(major, minor, "time-slice devices need consumable capacity, off by default before Kubernetes 1.36");
+        }
+        let desired = slices::build_slices(&inv.gpus, &opts)?;
+        let max_taints = match layout {
+            KubeLayout::V134 => carve_plugin::health::MAX_TAINTS_PER_DEVICE_1_34,
+            KubeLayout::V135Plus => carve_plugin::health::MAX_TAINTS_PER_DEVICE,
+        };
+
+        let metrics = Arc::new(carve_metrics::Metrics::new());
+        let names: Vec<carve_model::DeviceName> = desired
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter_map(|d| d.name.parse().ok())
+            .collect();
+        metrics.record_published(&names);
+
+        // Health: NVML events become taints on the published devices and the
+        // kubelet's health stream.
+        let health = carve_plugin::health::HealthMonitor::start(
+            backend.clone(),
+            events,
+            names.clone(),
+            carve_plugin::health::HealthOptions { poll: Duration::from_secs(args.health_poll_seconds.max(1)), ..Default::default() },
+        )
+        .await?;
+
+        // Publish, then keep the slices published (with the current taints): a
+        // resync with nothing changed makes no API write.
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut publisher = carve_kube::SlicePublisher::new(client.clone(), args.node_name.clone(), carve_model::DRIVER_NAME);
+        let mut snapshots = health.subscribe();
+        let tainted = move |snapshot: &carve_plugin::health::HealthSnapshot| {
+            let mut s = desired.clone();
+            match carve_plugin::health::apply_taints(&mut s, &snapshot.taints, max_taints) {
+                Ok(_) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot publish the health taints; publishing without them");
+                    desired.clone()
+                }
+            }
+        };
+        let first = tainted(&snapshots.borrow_and_update());
+        match publisher.sync(first).await {
+            Ok(r) => tracing::info!(created = r.created, updated = r.updated, deleted = r.deleted, unchanged = r.unchanged, "slices published"),
+            Err(e) => tracing::error!(error = %e, "publishing slices failed; retrying in the background"),
+        }
+        let resync = Duration::from_secs(args.resync_seconds.max(1));
+        let mut stop = stop_rx.clone();
+        let publish_task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    r = snapshots.changed() => if r.is_err() { return },
+                    () = tokio::time::sleep(resync) => {}
+                }
+                let want = tainted(&snapshots.borrow_and_update());
+                if let Err(e) = publisher.sync(want).await {
+                    tracing::error!(error = %e, "republishing slices failed");
+                }
+            }
+        });
+
+        let mut cfg = PluginConfig::new(args.node_name.clone());
+        cfg.plugins_registry_dir = args.registry_dir.clone();
+        cfg.plugin_dir = plugin_dir;
+        cfg.cdi_dir = args.cdi_dir.clone();
+        cfg.checkpoint_path = args.state_dir.join("checkpoint.json");
+        cfg.boot_id_path = args.boot_id_path.clone();
+        cfg.pod_uid = args.pod_uid.clone();
+        cfg.default_policy = args.mig_policy.default;
+        cfg.gpu_policy = args.mig_policy.per_gpu.clone();
+        cfg.gc_interval = (args.gc_interval_seconds > 0).then(|| Duration::from_secs(args.gc_interval_seconds));
+        cfg.metrics = Some(metrics.clone());
+
+        let driver = Arc::new(carve_plugin::Driver::new(cfg, backend, client).await?);
+        let report = driver.recover().await?;
+        tracing::info!(?report, "recovered");
+        let mut stop = stop_rx.clone();
+        let serve_opts = carve_plugin::health::ServeOptions { health: Some(health.clone()), ..Default::default() };
+        let serving = carve_plugin::health::serve_with(driver, serve_opts, async move {
+            let _ = stop.changed().await;
+        })
+        .await?;
+        let registration = serving.registration();
+        let dra = serving.paths.dra.clone();
+        let ready = carve_metrics::ReadyCheck::new(move || {
+            let registration = registration.clone();
+            let dra = dra.clone();
+            async move {
+                match registration.status() {
+                    None => return Err("not registered with the kubelet yet".to_string()),
+                    Some(Err(e)) => return Err(format!("the kubelet rejected the registration: {e}")),
+                    Some(Ok(())) => {}
+                }
+                tokio::net::UnixStream::connect(&dra).await.map(|_| ()).map_err(|e| format!("DRA socket {}: {e}", dra.display()))
+            }
+        });
+        let mut stop = stop_rx.clone();
+        let metrics_server = carve_metrics::bind(args.metrics_addr, metrics, ready, async move {
+            let _ = stop.changed().await;
+        })
+        .await?;
+        eprintln!("carve kubelet-plugin: serving {} (metrics on {})", serving.paths.dra.display(), metrics_server.local_addr());
+
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+        serving.wait().await?;
+        let _ = publish_task.await;
+        let _ = metrics_server.wait().await;
+        health.stop().await?;
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mig_policy_parses_defaults_and_overrides() {
+        let p = parse_mig_policy("dynamic,1=static,3=static").unwrap();
+        assert_eq!(p.default, GpuPolicy::Dynamic);
+        assert_eq!(p.of(1), GpuPolicy::Static);
+        assert_eq!(p.of(2), GpuPolicy::Dynamic);
+        assert!(parse_mig_policy("dynamc").unwrap_err().contains("dynamc"));
+        assert!(
+            parse_mig_policy("dynamic,x=static")
+                .unwrap_err()
+                .contains("GPU index")
+        );
+        assert!(
+            parse_mig_policy("dynamic,1=static,1=dynamic")
+                .unwrap_err()
+                .contains("twice")
+        );
+    }
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!(
+            parse_listen_addr(":9400").unwrap(),
+            "0.0.0.0:9400".parse().unwrap()
+        );
+        assert_eq!(
+            parse_listen_addr("127.0.0.1:0").unwrap(),
+            "127.0.0.1:0".parse().unwrap()
+        );
+        assert!(parse_listen_addr("nine").is_err());
+    }
+}

@@ -124,8 +124,17 @@ struct AdviseArgs {
     #[arg(long, value_enum, default_value = "unknown")]
     fault_isolation: advise::Answer,
     /// Request sizes as fractions of one GPU, comma-separated (e.g. 0.1,0.25,0.5).
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present = "trace",
+        conflicts_with = "trace"
+    )]
     sizes: Vec<f64>,
+    /// Take the sizes from the GPU-sharing tasks (one GPU, `gpu_milli` < 1000) of an
+    /// openb pod list (e.g. shared/data/traces/openb_pod_list_default.csv).
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
     /// GPU model (see `carve models`).
     #[arg(long, default_value = "h100-80gb")]
     model: String,
@@ -214,8 +223,15 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Advise(a) => {
             let spec = find_model(&a.model)?.spec();
-            let advice =
-                advise::advise(&spec, a.contention, a.fault_isolation, &a.sizes, a.bursty)?;
+            let sizes = match &a.trace {
+                Some(t) => carve_frag::trace::load_tasks(t)?
+                    .iter()
+                    .filter(|r| r.num_gpu == 1 && r.gpu_milli > 0 && r.gpu_milli < 1000)
+                    .map(|r| f64::from(r.gpu_milli) / 1000.0)
+                    .collect(),
+                None => a.sizes.clone(),
+            };
+            let advice = advise::advise(&spec, a.contention, a.fault_isolation, &sizes, a.bursty)?;
             print!("{advice}");
             Ok(ExitCode::SUCCESS)
         }

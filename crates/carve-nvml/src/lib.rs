@@ -231,6 +231,11 @@ impl NvmlBackend {
         Ok(b)
     }
 
+    /// Check the symbols every GPU needs (enumeration and identity). The MIG and
+    /// compute-mode symbols are looked up when used, so an NVML without them
+    /// still serves whole GPUs: [`GpuBackend::profiles`] then fails with
+    /// [`BackendError::MissingSymbol`] for each GPU, and the caller publishes no
+    /// MIG devices for it.
     fn check_symbols(&self) -> Result<(), BackendError> {
         let l = self.nvml.lib();
         let _ = sym!(l, nvmlSystemGetDriverVersion);
@@ -243,6 +248,14 @@ impl NvmlBackend {
         let _ = sym!(l, nvmlDeviceGetMinorNumber);
         let _ = sym!(l, nvmlDeviceGetArchitecture);
         let _ = sym!(l, nvmlDeviceGetCudaComputeCapability);
+        Ok(())
+    }
+
+    /// The MIG symbols, checked by [`GpuBackend::profiles`] before it reports
+    /// any profile: a GPU is published with MIG devices only if every call its
+    /// lifecycle needs exists.
+    fn check_mig_symbols(&self) -> Result<(), BackendError> {
+        let l = self.nvml.lib();
         let _ = sym!(l, nvmlDeviceGetMigMode);
         let _ = sym!(l, nvmlDeviceSetMigMode);
         let _ = sym!(l, nvmlDeviceGetGpuInstanceProfileInfoV);
@@ -580,12 +593,19 @@ impl NvmlBackend {
             .device_by_index(index)
             .map_err(|e| wrapper_err("nvmlDeviceGetHandleByIndex_v2", e, format!("GPU {index}")))?;
         let w = |call: &'static str| move |e| wrapper_err(call, e, format!("GPU {index}"));
+        // An NVML without the MIG calls: the GPU may well be MIG-capable, but
+        // `profiles` reports the missing symbol for it, so it is served whole.
+        let mut mig_symbols_missing = false;
         let mig_mode = match d.mig_mode() {
             Ok(m) => Some(MigMode {
                 current: m.current == nv::NVML_DEVICE_MIG_ENABLE,
                 pending: m.pending == nv::NVML_DEVICE_MIG_ENABLE,
             }),
             Err(NvmlError::NotSupported) => None,
+            Err(NvmlError::FailedToLoadSymbol(_)) => {
+                mig_symbols_missing = true;
+                None
+            }
             Err(e) => return Err(w("nvmlDeviceGetMigMode")(e)),
         };
         let cc = d
@@ -630,7 +650,7 @@ impl NvmlBackend {
                 .total
                 / (1024 * 1024),
             multiprocessors,
-            mig_capable: mig_mode.is_some(),
+            mig_capable: mig_mode.is_some() || mig_symbols_missing,
             mig_mode,
         })
     }
@@ -697,6 +717,7 @@ impl GpuBackend for NvmlBackend {
         if !info.mig_capable {
             return Ok(Vec::new());
         }
+        self.check_mig_symbols()?;
         let dev = self.dev(gpu)?;
         let profiles = self
             .raw_profiles(gpu, dev)?

@@ -539,7 +539,11 @@ fn without_symbol(sim: &Sim, name: &str) {
 fn library_lacking_a_mig_symbol_is_missing_symbol() {
     let sim = Sim::one("h100-80gb", true);
     without_symbol(&sim, "nvmlDeviceGetGpuInstanceProfileInfoV");
-    let e = NvmlBackend::open(sim.opts()).unwrap_err();
+    // The GPU is still served (whole); only its MIG profiles are refused.
+    let b = NvmlBackend::open(sim.opts()).unwrap();
+    let gpus = b.gpus().unwrap();
+    assert_eq!(gpus.len(), 1);
+    let e = b.profiles(0).unwrap_err();
     match e {
         BackendError::MissingSymbol { symbol } => {
             assert_eq!(symbol, "nvmlDeviceGetGpuInstanceProfileInfoV");

@@ -375,11 +375,14 @@ impl Driver {
                     op: "list GPUs".into(),
                     source,
                 })? {
+                    // A GPU whose MIG data cannot be read (an NVML without the
+                    // MIG calls, inconsistent profiles) is served whole: one
+                    // error for it, no MIG devices, the other GPUs unaffected.
                     let profiles = if g.mig_capable {
-                        b.profiles(g.index).map_err(|source| PluginError::Backend {
-                            op: format!("MIG profiles of GPU {}", g.index),
-                            source,
-                        })?
+                        b.profiles(g.index).unwrap_or_else(|error| {
+                            tracing::error!(gpu.index = g.index, gpu.uuid = %g.uuid, %error, "no MIG devices for this GPU");
+                            Vec::new()
+                        })
                     } else {
                         Vec::new()
                     };

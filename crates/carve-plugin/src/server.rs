@@ -179,109 +179,67 @@ fn claim_error(c: &ClaimRef, e: &dyn std::fmt::Display) -> String {
     format!("claim {c}: {e}")
 }
 
-#[tonic::async_trait]
-impl dra_v1::dra_plugin_server::DraPlugin for DraService {
-    async fn node_prepare_resources(
-        &self,
-        r: Request<dra_v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<dra_v1::NodePrepareResourcesResponse>, Status> {
-        let (ok, bad) = split(r.into_inner().claims, |c| c.uid.clone());
-        let mut out = dra_v1::NodePrepareResourcesResponse::default();
-        for (uid, error) in bad {
-            out.claims.insert(
-                uid,
-                dra_v1::NodePrepareResourceResponse {
-                    devices: vec![],
-                    error,
-                },
-            );
-        }
-        for (c, res) in self.driver.prepare(ok).await {
-            let resp = match res {
-                Ok(devs) => dra_v1::NodePrepareResourceResponse {
-                    devices: devs.into_iter().map(Into::into).collect(),
-                    error: String::new(),
-                },
-                Err(e) => dra_v1::NodePrepareResourceResponse {
-                    devices: vec![],
-                    error: claim_error(&c, &e),
-                },
-            };
-            out.claims.insert(c.uid, resp);
-        }
-        Ok(Response::new(out))
-    }
+/// The DRA service of one API version: v1 and v1beta1 differ only in their
+/// generated types (v1beta1 has no `share_id`, which the `From<PreparedDevice>`
+/// conversions handle), so one body serves both.
+macro_rules! dra_service {
+    ($v:ident) => {
+        #[tonic::async_trait]
+        impl $v::dra_plugin_server::DraPlugin for DraService {
+            async fn node_prepare_resources(
+                &self,
+                r: Request<$v::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$v::NodePrepareResourcesResponse>, Status> {
+                let (ok, bad) = split(r.into_inner().claims, |c| c.uid.clone());
+                let mut out = $v::NodePrepareResourcesResponse::default();
+                for (uid, error) in bad {
+                    out.claims.insert(
+                        uid,
+                        $v::NodePrepareResourceResponse {
+                            devices: vec![],
+                            error,
+                        },
+                    );
+                }
+                for (c, res) in self.driver.prepare(ok).await {
+                    let resp = match res {
+                        Ok(devs) => $v::NodePrepareResourceResponse {
+                            devices: devs.into_iter().map(Into::into).collect(),
+                            error: String::new(),
+                        },
+                        Err(e) => $v::NodePrepareResourceResponse {
+                            devices: vec![],
+                            error: claim_error(&c, &e),
+                        },
+                    };
+                    out.claims.insert(c.uid, resp);
+                }
+                Ok(Response::new(out))
+            }
 
-    async fn node_unprepare_resources(
-        &self,
-        r: Request<dra_v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<dra_v1::NodeUnprepareResourcesResponse>, Status> {
-        let (ok, bad) = split(r.into_inner().claims, |c| c.uid.clone());
-        let mut out = dra_v1::NodeUnprepareResourcesResponse::default();
-        for (uid, error) in bad {
-            out.claims
-                .insert(uid, dra_v1::NodeUnprepareResourceResponse { error });
+            async fn node_unprepare_resources(
+                &self,
+                r: Request<$v::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$v::NodeUnprepareResourcesResponse>, Status> {
+                let (ok, bad) = split(r.into_inner().claims, |c| c.uid.clone());
+                let mut out = $v::NodeUnprepareResourcesResponse::default();
+                for (uid, error) in bad {
+                    out.claims
+                        .insert(uid, $v::NodeUnprepareResourceResponse { error });
+                }
+                for (c, res) in self.driver.unprepare(ok).await {
+                    let error = res.err().map(|e| claim_error(&c, &e)).unwrap_or_default();
+                    out.claims
+                        .insert(c.uid, $v::NodeUnprepareResourceResponse { error });
+                }
+                Ok(Response::new(out))
+            }
         }
-        for (c, res) in self.driver.unprepare(ok).await {
-            let error = res.err().map(|e| claim_error(&c, &e)).unwrap_or_default();
-            out.claims
-                .insert(c.uid, dra_v1::NodeUnprepareResourceResponse { error });
-        }
-        Ok(Response::new(out))
-    }
+    };
 }
 
-#[tonic::async_trait]
-impl dra_v1beta1::dra_plugin_server::DraPlugin for DraService {
-    async fn node_prepare_resources(
-        &self,
-        r: Request<dra_v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<dra_v1beta1::NodePrepareResourcesResponse>, Status> {
-        let (ok, bad) = split(r.into_inner().claims, |c| c.uid.clone());
-        let mut out = dra_v1beta1::NodePrepareResourcesResponse::default();
-        for (uid, error) in bad {
-            out.claims.insert(
-                uid,
-                dra_v1beta1::NodePrepareResourceResponse {
-                    devices: vec![],
-                    error,
-                },
-            );
-        }
-        for (c, res) in self.driver.prepare(ok).await {
-            let resp = match res {
-                Ok(devs) => dra_v1beta1::NodePrepareResourceResponse {
-                    devices: devs.into_iter().map(Into::into).collect(),
-                    error: String::new(),
-                },
-                Err(e) => dra_v1beta1::NodePrepareResourceResponse {
-                    devices: vec![],
-                    error: claim_error(&c, &e),
-                },
-            };
-            out.claims.insert(c.uid, resp);
-        }
-        Ok(Response::new(out))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        r: Request<dra_v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<dra_v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let (ok, bad) = split(r.into_inner().claims, |c| c.uid.clone());
-        let mut out = dra_v1beta1::NodeUnprepareResourcesResponse::default();
-        for (uid, error) in bad {
-            out.claims
-                .insert(uid, dra_v1beta1::NodeUnprepareResourceResponse { error });
-        }
-        for (c, res) in self.driver.unprepare(ok).await {
-            let error = res.err().map(|e| claim_error(&c, &e)).unwrap_or_default();
-            out.claims
-                .insert(c.uid, dra_v1beta1::NodeUnprepareResourceResponse { error });
-        }
-        Ok(Response::new(out))
-    }
-}
+dra_service!(dra_v1);
+dra_service!(dra_v1beta1);
 
 /// Options of [`serve_with`].
 #[derive(Clone, Debug)]

@@ -521,3 +521,32 @@ async fn abort_inside_prepare_converges_after_restart() {
 fn r_uid(c: &ResourceClaim) -> String {
     c.metadata.uid.clone().unwrap_or_default()
 }
+
+/// An Ampere GPU in MIG mode runs CUDA work only inside MIG instances and
+/// cannot leave MIG mode without a reset: its placements are published, its
+/// whole device is not. With MIG off it is published whole only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ampere_in_mig_mode_publishes_no_whole_gpu() {
+    let (mut rig, _classes) = start(
+        vec![
+            GpuEntry::new("a100-40gb", 1, true),
+            GpuEntry::new("a100-40gb", 1, false),
+        ],
+        Vec::new(),
+    )
+    .await;
+    let store = rig.api.store();
+    let slices = wait_published(&mut rig.node, &store).await;
+    let names: BTreeSet<String> = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect();
+    assert!(!names.contains("gpu-0"), "{names:?}");
+    assert!(names.contains("gpu-0-mig-3g20gb-0"), "{names:?}");
+    assert!(names.contains("gpu-1"), "{names:?}");
+    assert!(
+        !names.iter().any(|n| n.starts_with("gpu-1-mig-")),
+        "{names:?}"
+    );
+}

@@ -92,8 +92,9 @@ const EXAMPLES: &[(&str, &str)] = &[
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
-    /// Ampere GPUs start in MIG mode (changing it needs a reset); the others start
-    /// with MIG off and the plugin turns it on when a claim needs it.
+    /// Every GPU starts with MIG mode off: on Hopper and newer the plugin turns it
+    /// on when a claim needs it; an Ampere GPU (where that needs a reset) is
+    /// published as a whole GPU only.
     #[arg(long, default_value = "h100-80gb:2,a100-40gb:1")]
     pub gpus: String,
     /// Claims to apply instead of the built-in examples: a directory of claim YAML
@@ -452,8 +453,7 @@ impl Node {
         for (key, count) in models {
             let model = GpuModel::find(key).ok_or_else(|| anyhow!("unknown GPU model {key:?}"))?;
             let spec = model.spec();
-            let mig_on = spec.mig_capable && spec.architecture.mig_mode_needs_reset();
-            entries.push(GpuEntry::new(model.key, *count, mig_on));
+            entries.push(GpuEntry::new(model.key, *count, false));
             specs.extend(std::iter::repeat_n(spec, *count as usize));
         }
         let sim = SimConfig::new(NODE, entries, &sim_dir);
@@ -872,6 +872,8 @@ fn published_text(node: &Node, slices: &[ResourceSlice]) -> String {
                     "not MIG-capable"
                 } else if node.mig_at_start.get(i as usize).copied().unwrap_or(false) {
                     "MIG on"
+                } else if spec.architecture.mig_mode_needs_reset() {
+                    "MIG off, needs a GPU reset to change: whole GPU only"
                 } else {
                     "MIG off until a claim needs it"
                 };

@@ -57,6 +57,33 @@ pub struct GpuInfo {
     pub mig_mode: Option<MigMode>,
 }
 
+impl GpuInfo {
+    /// The GPU's spec with these MIG profiles (as NVML reported them): memory
+    /// slices = furthest placement end, compute slices = largest profile,
+    /// engines = component-wise maximum over profiles.
+    #[must_use]
+    pub fn spec(&self, profiles: Vec<MigProfile>) -> carve_model::GpuSpec {
+        carve_model::GpuSpec {
+            product_name: self.name.clone(),
+            architecture: self.architecture,
+            cuda_compute_capability: self.cuda_compute_capability,
+            memory_mib: self.memory_mib,
+            multiprocessors: self.multiprocessors,
+            memory_slices: profiles
+                .iter()
+                .flat_map(|p| p.placements.iter().map(|pl| pl.end()))
+                .max()
+                .unwrap_or(0),
+            compute_slices: profiles.iter().map(|p| p.compute_slices).max().unwrap_or(0),
+            engines: profiles
+                .iter()
+                .fold(carve_model::Engines::default(), |e, p| e.max(p.engines)),
+            mig_capable: self.mig_capable,
+            profiles,
+        }
+    }
+}
+
 /// A compute instance inside a GPU instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

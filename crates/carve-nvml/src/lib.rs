@@ -683,24 +683,7 @@ impl NvmlBackend {
 /// maximum over profiles.
 #[must_use]
 pub fn gpu_spec(info: &GpuInfo, profiles: Vec<MigProfile>) -> GpuSpec {
-    GpuSpec {
-        product_name: info.name.clone(),
-        architecture: info.architecture,
-        cuda_compute_capability: info.cuda_compute_capability,
-        memory_mib: info.memory_mib,
-        multiprocessors: info.multiprocessors,
-        memory_slices: profiles
-            .iter()
-            .flat_map(|p| p.placements.iter().map(|pl| pl.end()))
-            .max()
-            .unwrap_or(0),
-        compute_slices: profiles.iter().map(|p| p.compute_slices).max().unwrap_or(0),
-        engines: profiles
-            .iter()
-            .fold(Engines::default(), |e, p| e.max(p.engines)),
-        mig_capable: info.mig_capable,
-        profiles,
-    }
+    info.spec(profiles)
 }
 
 impl GpuBackend for NvmlBackend {

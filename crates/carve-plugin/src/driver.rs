@@ -487,22 +487,47 @@ impl Driver {
         let Some(m) = self.config.metrics.clone() else {
             return;
         };
-        let targets: Vec<(u32, String)> = gpus
+        let targets: Vec<(u32, String, carve_model::GpuSpec)> = gpus
             .into_iter()
             .filter_map(|g| self.gpus.get(&g))
-            .filter(|g| g.info.mig_capable)
-            .map(|g| (g.info.index, g.info.uuid.clone()))
+            .filter(|g| g.info.mig_capable && !g.profiles.is_empty())
+            .map(|g| {
+                (
+                    g.info.index,
+                    g.info.uuid.clone(),
+                    g.info.spec(g.profiles.clone()),
+                )
+            })
             .collect();
         if targets.is_empty() {
             return;
         }
         let b = self.backend.clone();
         let _ = blocking(move || {
-            for (g, uuid) in targets {
+            for (g, uuid, spec) in targets {
                 match b.gpu_instances(g) {
                     Ok(v) => {
                         let cis: usize = v.iter().map(|gi| gi.compute_instances.len()).sum();
                         m.set_instances(&uuid, v.len() as u64, cis as u64);
+                        let live: Vec<carve_model::Instance> = v
+                            .iter()
+                            .filter_map(|gi| {
+                                let profile =
+                                    spec.profiles.iter().position(|p| p.id == gi.profile_id)?;
+                                Some(carve_model::Instance {
+                                    profile,
+                                    start: gi.placement.start,
+                                })
+                            })
+                            .collect();
+                        if let Ok(occ) = carve_model::Occupancy::with(&spec, &live) {
+                            let st = occ.stranded();
+                            m.set_stranded(
+                                &uuid,
+                                u64::from(st.memory_slices),
+                                u64::from(st.compute_slices),
+                            );
+                        }
                     }
                     Err(e) => tracing::debug!(gpu = g, error = %e, "instance count for metrics"),
                 }

@@ -48,7 +48,7 @@ async fn prepare_and_unprepare_are_recorded() {
         &api,
         "good",
         "u-good",
-        &[("r", "gpu-0-mig-2g20gb-0")],
+        &[("r", "gpu-0-mig-1g10gb-6")],
         serde_json::json!([]),
     );
     let bad = put_claim(
@@ -100,6 +100,14 @@ async fn prepare_and_unprepare_are_recorded() {
         value(&m, &format!("carve_compute_instances{{gpu=\"{uuid}\"}}")),
         1.0
     );
+    // 1g.10gb at slice 6 leaves slice 7 usable by no placement.
+    assert_eq!(
+        value(
+            &m,
+            &format!("carve_stranded_memory_slices{{gpu=\"{uuid}\"}}")
+        ),
+        1.0
+    );
     for f in [
         "nvmlDeviceCreateGpuInstanceWithPlacement",
         "nvmlGpuInstanceCreateComputeInstance",
@@ -123,6 +131,13 @@ async fn prepare_and_unprepare_are_recorded() {
     );
     assert_eq!(
         value(&m, &format!("carve_gpu_instances{{gpu=\"{uuid}\"}}")),
+        0.0
+    );
+    assert_eq!(
+        value(
+            &m,
+            &format!("carve_stranded_memory_slices{{gpu=\"{uuid}\"}}")
+        ),
         0.0
     );
     assert!(

@@ -197,33 +197,6 @@ impl GpuBackend for TimedBackend {
     }
 }
 
-/// The simulator library: `--nvml-sim-lib`, else the newer of
-/// `<exe dir>/libnvidia_ml_sim.so` and `<exe dir>/deps/libnvidia_ml_sim.so`.
-fn sim_library(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(p) = explicit {
-        if p.is_file() {
-            return Ok(p.to_path_buf());
-        }
-        bail!("--nvml-sim-lib {}: no such file", p.display());
-    }
-    let exe = std::env::current_exe().context("locating this executable")?;
-    let dir = exe.parent().unwrap_or(Path::new("."));
-    let candidates = [
-        dir.join("libnvidia_ml_sim.so"),
-        dir.join("deps").join("libnvidia_ml_sim.so"),
-    ];
-    // Both may exist (cargo uplifts the library only when building its crate
-    // itself); the newer one is the one built with this executable.
-    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    candidates.iter().filter(|c| c.is_file()).max_by_key(|c| mtime(c)).cloned().with_context(|| {
-        format!(
-            "NVML simulator library not found at {} or {}; build carve-nvml-sim or pass --nvml-sim-lib",
-            candidates[0].display(),
-            candidates[1].display()
-        )
-    })
-}
-
 /// Directory for simulator state: tmpfs when the host has `/dev/shm`.
 fn sim_parent() -> PathBuf {
     let shm = Path::new("/dev/shm");
@@ -1035,7 +1008,7 @@ pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
         );
     }
     let model = check_args(args)?;
-    let lib = sim_library(args.nvml_sim_lib.as_deref())?;
+    let lib = crate::simulate::find_sim_lib(args.nvml_sim_lib.as_deref())?;
     let help_kib = if args.skip_rss {
         0
     } else {
@@ -1098,7 +1071,7 @@ mod tests {
     async fn every_prepare_creates_one_instance_and_every_unprepare_destroys_it() {
         let a = args(12, 2, 14);
         let model = check_args(&a).unwrap();
-        let lib = sim_library(None).unwrap();
+        let lib = crate::simulate::find_sim_lib(None).unwrap();
         let r = in_process(&a, model, &lib).await.unwrap();
         assert_eq!(r.prepare.len(), 12);
         assert_eq!(r.unprepare.len(), 12);
@@ -1139,7 +1112,7 @@ mod tests {
         a.model = "v100".into();
         let e = check_args(&a).unwrap_err().to_string();
         assert!(e.contains("v100") && e.contains("h100-80gb"), "{e}");
-        let e = sim_library(Some(Path::new("/nonexistent/lib.so")))
+        let e = crate::simulate::find_sim_lib(Some(Path::new("/nonexistent/lib.so")))
             .unwrap_err()
             .to_string();
         assert!(e.contains("/nonexistent/lib.so"), "{e}");

@@ -370,7 +370,7 @@ fn claim_classes(c: &ResourceClaim) -> Vec<String> {
 
 /// The NVML simulator library: `explicit`, or the newer of the copies next to
 /// this executable and in its `deps/` directory.
-fn find_sim_lib(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+pub fn find_sim_lib(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(p) = explicit {
         return if p.is_file() {
             Ok(p.to_path_buf())

@@ -181,12 +181,10 @@ mod tests {
 
     #[test]
     fn example_claim_fits_on_the_simulated_node() {
-        let dir = tempfile::tempdir().unwrap();
         let claim = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/mig-1g/claim.yaml");
         let (text, fits) = run(&args(claim, "h100-80gb:1")).unwrap();
         assert!(fits, "{text}");
         assert!(text.contains("gpu-0-mig-1g10gb-"), "{text}");
-        drop(dir);
     }
 
     #[test]

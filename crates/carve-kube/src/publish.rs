@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
@@ -192,6 +192,14 @@ impl SlicePublisher {
     /// [`PublishError::Conflict`] names the slice. Any other API error stops the
     /// sync at once with [`PublishError::Api`] naming the verb and slice; the
     /// next sync starts from what the server then has.
+    ///
+    /// When the server's answer to a create or update lacks the
+    /// `sharedCounters` or a device's `consumesCounters` that were sent (the
+    /// API server drops them silently while the DRAPartitionableDevices feature
+    /// gate is off), the sync stops at once, without retrying or writing the
+    /// other slices, with an error naming the slice and the gate (see
+    /// [`dropped_counter_fields`]). Until the gate is on, each later sync
+    /// stops the same way at its first write that carries counters.
     pub async fn sync(&mut self, desired: Vec<ResourceSlice>) -> Result<SyncReport, PublishError> {
         validate_desired(&desired, &self.node_name, &self.driver)?;
         let attempts = self.retry.attempts.max(1);
@@ -244,7 +252,10 @@ impl SlicePublisher {
                 Step::Create(slice) => {
                     let name = slice.metadata.name.clone().unwrap_or_default();
                     match api.create(&PostParams::default(), &slice).await {
-                        Ok(_) => report.created += 1,
+                        Ok(stored) => {
+                            check_counters_kept(Verb::Create, &slice, &stored)?;
+                            report.created += 1;
+                        }
                         Err(e) => return Err(classify(Verb::Create, name, e, false)),
                     }
                     tracing::debug!(node = %self.node_name, slice = %name, generation = slice.spec.pool.generation, "created ResourceSlice");
@@ -252,7 +263,10 @@ impl SlicePublisher {
                 Step::Update(slice) => {
                     let name = slice.metadata.name.clone().unwrap_or_default();
                     match api.replace(&name, &PostParams::default(), &slice).await {
-                        Ok(_) => report.updated += 1,
+                        Ok(stored) => {
+                            check_counters_kept(Verb::Update, &slice, &stored)?;
+                            report.updated += 1;
+                        }
                         // Deleted since the list: re-list and create it.
                         Err(e) => return Err(classify(Verb::Update, name, e, true)),
                     }
@@ -296,6 +310,78 @@ impl SlicePublisher {
     }
 }
 
+/// The counter fields of `sent` that the API server dropped: the object it
+/// answered a write with (what it stored) lacks `spec.sharedCounters` or a
+/// device's `consumesCounters` that `sent` had. `None` when all are there.
+///
+/// The API server drops these fields without an error when the
+/// DRAPartitionableDevices feature gate is off.
+pub fn dropped_counter_fields(sent: &ResourceSlice, stored: &ResourceSlice) -> Option<String> {
+    let sets = |s: &ResourceSlice| s.spec.shared_counters.as_ref().map_or(0, Vec::len);
+    let mut dropped = Vec::new();
+    if sets(sent) > 0 && sets(stored) == 0 {
+        dropped.push(format!("spec.sharedCounters ({} counter sets)", sets(sent)));
+    }
+    let consumes = |d: &Device| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty());
+    let stored_devices: BTreeMap<&str, &Device> = stored
+        .spec
+        .devices
+        .iter()
+        .flatten()
+        .map(|d| (d.name.as_str(), d))
+        .collect();
+    let lost: Vec<&str> = sent
+        .spec
+        .devices
+        .iter()
+        .flatten()
+        .filter(|d| consumes(d))
+        .filter(|d| {
+            stored_devices
+                .get(d.name.as_str())
+                .is_some_and(|s| !consumes(s))
+        })
+        .map(|d| d.name.as_str())
+        .collect();
+    if let Some(first) = lost.first() {
+        dropped.push(format!(
+            "consumesCounters of {} devices (first: {first})",
+            lost.len()
+        ));
+    }
+    (!dropped.is_empty()).then(|| dropped.join(" and "))
+}
+
+/// Fails the sync when the server dropped counter fields on a write: the slice
+/// is stored without them, and writing it again would only be dropped again.
+fn check_counters_kept(
+    verb: Verb,
+    sent: &ResourceSlice,
+    stored: &ResourceSlice,
+) -> Result<(), PassError> {
+    match dropped_counter_fields(sent, stored) {
+        None => Ok(()),
+        Some(dropped) => {
+            let slice = sent.metadata.name.clone().unwrap_or_default();
+            tracing::error!(%slice, %verb, %dropped, "the API server dropped the counter fields of a ResourceSlice; enable the DRAPartitionableDevices feature gate");
+            Err(PassError::Fatal(counters_dropped(verb, slice, &dropped)))
+        }
+    }
+}
+
+/// The error for a write whose counter fields the server dropped.
+fn counters_dropped(verb: Verb, slice: String, dropped: &str) -> PublishError {
+    PublishError::InvalidDesired {
+        reason: format!(
+            "the API server dropped {dropped} on {verb} and stored the slice without them: \
+             the DRAPartitionableDevices feature gate is off (its default in Kubernetes 1.34 and 1.35). \
+             Enable it (--feature-gates=DRAPartitionableDevices=true on kube-apiserver, kube-scheduler \
+             and kube-controller-manager); without it MIG partitions cannot be published safely"
+        ),
+        slice,
+    }
+}
+
 /// 409 is a conflict to retry after a re-list; with `missing_is_conflict`, 404
 /// too. Everything else is fatal.
 fn classify(
@@ -326,6 +412,88 @@ fn classify(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use carve_model::slices::{
+        GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, simulated_node,
+    };
+
+    /// What carve publishes for two H200s, and the same with the counter
+    /// fields removed as an API server without DRAPartitionableDevices does.
+    fn sent_and_stripped(layout: KubeLayout) -> (Vec<ResourceSlice>, Vec<ResourceSlice>) {
+        let gpus: Vec<NodeGpu> = simulated_node("h200-141gb", 2)
+            .unwrap()
+            .into_iter()
+            .map(|gpu| NodeGpu {
+                gpu,
+                policy: GpuPolicy::Dynamic,
+            })
+            .collect();
+        let sent = build_slices(&gpus, &SliceOptions::new("node-a", layout)).unwrap();
+        let mut stripped = sent.clone();
+        for s in &mut stripped {
+            s.spec.shared_counters = None;
+            for d in s.spec.devices.iter_mut().flatten() {
+                d.consumes_counters = None;
+            }
+        }
+        (sent, stripped)
+    }
+
+    #[test]
+    fn dropped_counter_fields_are_named() {
+        // 1.35+: [counters-0, devices-00].
+        let (sent, stripped) = sent_and_stripped(KubeLayout::V135Plus);
+        assert_eq!(
+            dropped_counter_fields(&sent[0], &stripped[0]).as_deref(),
+            Some("spec.sharedCounters (2 counter sets)")
+        );
+        let devices = sent[1].spec.devices.as_ref().unwrap();
+        let d = dropped_counter_fields(&sent[1], &stripped[1]).unwrap();
+        assert_eq!(
+            d,
+            format!(
+                "consumesCounters of {} devices (first: {})",
+                devices.len(),
+                devices[0].name
+            )
+        );
+        // 1.34: counter sets and devices in one slice; both are named.
+        let (sent, stripped) = sent_and_stripped(KubeLayout::V134);
+        let d = dropped_counter_fields(&sent[0], &stripped[0]).unwrap();
+        assert!(
+            d.starts_with("spec.sharedCounters (2 counter sets) and consumesCounters of "),
+            "{d}"
+        );
+        // One device losing its counters is enough.
+        let mut one = sent[0].clone();
+        one.spec.devices.as_mut().unwrap()[3].consumes_counters = None;
+        let name = &sent[0].spec.devices.as_ref().unwrap()[3].name;
+        assert_eq!(
+            dropped_counter_fields(&sent[0], &one),
+            Some(format!("consumesCounters of 1 devices (first: {name})"))
+        );
+    }
+
+    #[test]
+    fn kept_or_absent_counter_fields_are_not_reported() {
+        let (sent, stripped) = sent_and_stripped(KubeLayout::V135Plus);
+        for s in &sent {
+            assert_eq!(dropped_counter_fields(s, s), None);
+        }
+        // Nothing to drop: a slice sent without counters.
+        for s in &stripped {
+            assert_eq!(dropped_counter_fields(s, s), None);
+        }
+        // The error names the slice, the verb and the feature gate.
+        let e = counters_dropped(Verb::Update, "node-a-gpu.carve.dev-devices-00".into(), "x");
+        let msg = e.to_string();
+        for part in [
+            "node-a-gpu.carve.dev-devices-00",
+            "update",
+            "DRAPartitionableDevices",
+        ] {
+            assert!(msg.contains(part), "{msg:?} lacks {part:?}");
+        }
+    }
 
     #[test]
     fn backoff_doubles_and_caps() {

@@ -34,7 +34,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::geometry::{Conflict, Instance, Occupancy, Totals, max_layout_totals};
-use crate::names::{DeviceName, NameError};
+use crate::names::{DeviceName, NameError, ProfileToken};
 use crate::order::{DeviceOrder, nvidia_device_name, placement_order};
 use crate::sharing::{MpsCapabilities, MpsDeviceSpec, SharingError, time_slice_device};
 use crate::spec::{GpuSpec, PhysicalGpu, SpecError};
@@ -353,17 +353,35 @@ impl Qty {
     }
 }
 
-/// The counters of one MIG-capable GPU and what each device consumes.
+/// The counters of one GPU model and what each of its devices consumes: built
+/// once per distinct spec in a build and shared by every GPU of that spec
+/// (only the counter set name differs between them).
 #[derive(Clone, Debug)]
-struct CounterModel {
-    set: String,
-    capacity: Vec<(String, Qty)>,
+struct ModelCounters {
+    /// The counters of the set; the whole GPU consumes all of them.
+    capacity: BTreeMap<String, Counter>,
+    /// Per profile: (placement start, what a device at that placement consumes).
+    mig: Vec<Vec<(u8, BTreeMap<String, Counter>)>>,
 }
 
-impl CounterModel {
-    fn new(gpu: &PhysicalGpu, t: Totals) -> Self {
+fn counters_of(list: impl IntoIterator<Item = (String, Qty)>) -> BTreeMap<String, Counter> {
+    list.into_iter()
+        .map(|(n, q)| {
+            (
+                n,
+                Counter {
+                    value: q.quantity(),
+                },
+            )
+        })
+        .collect()
+}
+
+impl ModelCounters {
+    /// The counters of a MIG-capable GPU whose largest layouts reach `t`, and
+    /// the consumption of every placement of every profile.
+    fn new(spec: &GpuSpec, t: Totals) -> Self {
         use counters::*;
-        let spec = &gpu.spec;
         let up = |a: u32, b: u32| u64::from(a.max(b));
         let mut capacity: Vec<(String, Qty)> = (0..spec.memory_slices)
             .map(|k| (format!("{MEMORY_SLICE_PREFIX}{k}"), Qty::Int(1)))
@@ -415,47 +433,94 @@ impl CounterModel {
             capacity.push((MEDIA_EXTENSIONS.to_string(), Qty::Int(1)));
         }
         capacity.retain(|(_, q)| !q.is_zero());
-        Self {
-            set: counter_set_name(gpu.index),
-            capacity,
-        }
+        let capacity = counters_of(capacity);
+        let mig = spec
+            .profiles
+            .iter()
+            .enumerate()
+            .map(|(pi, p)| {
+                p.placements
+                    .iter()
+                    .map(|pl| (pl.start, mig_consumption(&capacity, spec, pi, pl.start)))
+                    .collect()
+            })
+            .collect();
+        Self { capacity, mig }
     }
 
     /// The counter set of a GPU without MIG that publishes sharing devices:
     /// what [`crate::sharing::plain_counter_set`] describes.
-    fn plain(gpu: &PhysicalGpu) -> Self {
-        let set = crate::sharing::plain_counter_set(gpu);
+    fn plain(spec: &GpuSpec) -> Self {
         Self {
-            capacity: vec![
-                (counters::MEMORY.to_string(), Qty::Mib(gpu.spec.memory_mib)),
+            capacity: counters_of([
+                (counters::MEMORY.to_string(), Qty::Mib(spec.memory_mib)),
                 (
                     counters::MULTIPROCESSORS.to_string(),
-                    Qty::Int(gpu.spec.multiprocessors.into()),
+                    Qty::Int(spec.multiprocessors.into()),
                 ),
-            ],
-            set: set.name,
+            ]),
+            mig: Vec::new(),
         }
     }
+}
 
-    fn has(&self, name: &str) -> bool {
-        self.capacity.iter().any(|(n, _)| n == name)
+/// What a MIG device of `profile` at `start` consumes of a counter set with
+/// `capacity`: its memory slices and its share of every other counter the set
+/// has (zero shares left out).
+fn mig_consumption(
+    capacity: &BTreeMap<String, Counter>,
+    spec: &GpuSpec,
+    profile: usize,
+    start: u8,
+) -> BTreeMap<String, Counter> {
+    use counters::*;
+    let p = &spec.profiles[profile];
+    let mut want: Vec<(String, Qty)> = (start..start + p.memory_slices)
+        .map(|k| (format!("{MEMORY_SLICE_PREFIX}{k}"), Qty::Int(1)))
+        .collect();
+    let e = p.engines;
+    want.extend([
+        (
+            COMPUTE_SLICES.to_string(),
+            Qty::Int(p.compute_slices.into()),
+        ),
+        (
+            MULTIPROCESSORS.to_string(),
+            Qty::Int(p.multiprocessors.into()),
+        ),
+        (MEMORY.to_string(), Qty::Mib(p.memory_mib)),
+        (COPY_ENGINES.to_string(), Qty::Int(e.copy.into())),
+        (DECODERS.to_string(), Qty::Int(e.decoders.into())),
+        (ENCODERS.to_string(), Qty::Int(e.encoders.into())),
+        (JPEG_ENGINES.to_string(), Qty::Int(e.jpeg.into())),
+        (OFA_ENGINES.to_string(), Qty::Int(e.ofa.into())),
+        (
+            MEDIA_EXTENSIONS.to_string(),
+            Qty::Int(u64::from(p.media_extensions)),
+        ),
+    ]);
+    counters_of(
+        want.into_iter()
+            .filter(|(n, q)| !q.is_zero() && capacity.contains_key(n)),
+    )
+}
+
+/// The counter set of one GPU: its name and its model's counters.
+#[derive(Clone, Debug)]
+struct CounterModel<'m> {
+    set: String,
+    counters: &'m ModelCounters,
+}
+
+impl CounterModel<'_> {
+    fn counters_len(&self) -> usize {
+        self.counters.capacity.len()
     }
 
     fn counter_set(&self) -> CounterSet {
         CounterSet {
             name: self.set.clone(),
-            counters: self
-                .capacity
-                .iter()
-                .map(|(n, q)| {
-                    (
-                        n.clone(),
-                        Counter {
-                            value: q.quantity(),
-                        },
-                    )
-                })
-                .collect(),
+            counters: self.counters.capacity.clone(),
         }
     }
 
@@ -471,49 +536,20 @@ impl CounterModel {
     }
 
     fn whole(&self) -> Vec<DeviceCounterConsumption> {
-        self.consumption(self.counter_set().counters)
+        self.consumption(self.counters.capacity.clone())
     }
 
     fn mig(&self, spec: &GpuSpec, profile: usize, start: u8) -> Vec<DeviceCounterConsumption> {
-        use counters::*;
-        let p = &spec.profiles[profile];
-        let mut want: Vec<(String, Qty)> = (start..start + p.memory_slices)
-            .map(|k| (format!("{MEMORY_SLICE_PREFIX}{k}"), Qty::Int(1)))
-            .collect();
-        let e = p.engines;
-        want.extend([
-            (
-                COMPUTE_SLICES.to_string(),
-                Qty::Int(p.compute_slices.into()),
-            ),
-            (
-                MULTIPROCESSORS.to_string(),
-                Qty::Int(p.multiprocessors.into()),
-            ),
-            (MEMORY.to_string(), Qty::Mib(p.memory_mib)),
-            (COPY_ENGINES.to_string(), Qty::Int(e.copy.into())),
-            (DECODERS.to_string(), Qty::Int(e.decoders.into())),
-            (ENCODERS.to_string(), Qty::Int(e.encoders.into())),
-            (JPEG_ENGINES.to_string(), Qty::Int(e.jpeg.into())),
-            (OFA_ENGINES.to_string(), Qty::Int(e.ofa.into())),
-            (
-                MEDIA_EXTENSIONS.to_string(),
-                Qty::Int(u64::from(p.media_extensions)),
-            ),
-        ]);
-        self.consumption(
-            want.into_iter()
-                .filter(|(n, q)| !q.is_zero() && self.has(n))
-                .map(|(n, q)| {
-                    (
-                        n,
-                        Counter {
-                            value: q.quantity(),
-                        },
-                    )
-                })
-                .collect(),
-        )
+        let known = self
+            .counters
+            .mig
+            .get(profile)
+            .and_then(|starts| starts.iter().find(|(s, _)| *s == start));
+        self.consumption(match known {
+            Some((_, c)) => c.clone(),
+            // Not a listed placement of the profile: work it out.
+            None => mig_consumption(&self.counters.capacity, spec, profile, start),
+        })
     }
 }
 
@@ -638,25 +674,93 @@ struct Planned {
     name: DeviceName,
 }
 
+/// What ordering and naming the devices of one spec needs, worked out once
+/// per distinct (validated) spec of a node.
+struct SpecOrder {
+    /// Per profile: its starts in the policy's order ([`placement_order`]).
+    starts: Vec<Vec<u8>>,
+    /// Per profile: (start, tier, position in [`crate::order::carve_rank`]),
+    /// the Carve policy key without the GPU (empty for other policies).
+    carve: Vec<Vec<(u8, u8, usize)>>,
+    /// Per profile: its device-name token.
+    tokens: Vec<Result<ProfileToken, NameError>>,
+}
+
+impl SpecOrder {
+    fn new(spec: &GpuSpec, order: DeviceOrder) -> Self {
+        let profiles = 0..spec.profiles.len();
+        let carve = match order {
+            DeviceOrder::Carve => profiles
+                .clone()
+                .map(|pi| {
+                    let size = spec.profiles[pi].memory_slices;
+                    crate::order::carve_rank(spec, pi)
+                        .into_iter()
+                        .enumerate()
+                        .map(|(rank, start)| {
+                            let tier = crate::order::placement_tier(
+                                spec,
+                                pi,
+                                crate::spec::Placement::new(start, size),
+                            );
+                            (start, tier, rank)
+                        })
+                        .collect()
+                })
+                .collect(),
+            DeviceOrder::FirstFit | DeviceOrder::Name => Vec::new(),
+        };
+        Self {
+            starts: profiles
+                .clone()
+                .map(|pi| placement_order(spec, pi, order))
+                .collect(),
+            carve,
+            tokens: spec
+                .profiles
+                .iter()
+                .map(|p| {
+                    ProfileToken::from_profile_name(&p.name).ok_or_else(|| NameError {
+                        name: p.name.clone(),
+                        why: "profile name has no DNS-label form",
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// The Carve policy key of a placement on GPU `index`: as
+    /// [`crate::order::carve_device_key`].
+    fn carve_key(&self, spec: &GpuSpec, profile: usize, index: u32, start: u8) -> (u8, u32, usize) {
+        match self.carve[profile].iter().find(|(s, _, _)| *s == start) {
+            Some(&(_, tier, rank)) => (tier, index, rank),
+            None => (
+                crate::order::placement_tier(
+                    spec,
+                    profile,
+                    crate::spec::Placement::new(start, spec.profiles[profile].memory_slices),
+                ),
+                index,
+                usize::MAX,
+            ),
+        }
+    }
+}
+
 /// The MIG instances a GPU publishes: every placement (dynamic), the static
-/// instances, or none (whole GPU only). Checks the spec and static layout.
-fn gpu_units(g: &NodeGpu, order: DeviceOrder) -> Result<Vec<Kind>, SliceError> {
+/// instances, or none (whole GPU only). Checks the static layout; the spec is
+/// checked by the caller.
+fn gpu_units(g: &NodeGpu, so: &SpecOrder) -> Result<Vec<Kind>, SliceError> {
     let gpu = g.gpu.index;
     let spec = &g.gpu.spec;
-    spec.validate()
-        .map_err(|source| SliceError::Spec { gpu, source })?;
     let product = || spec.product_name.clone();
-    let ranked = |profile: usize| placement_order(spec, profile, order);
+    let ranked = |profile: usize| so.starts[profile].iter().copied();
     match &g.policy {
         GpuPolicy::Dynamic => {
             let mut units = Vec::new();
             if spec.mig_capable {
                 for pi in 0..spec.profiles.len() {
-                    units.extend(
-                        ranked(pi)
-                            .into_iter()
-                            .map(|start| Kind::Mig { profile: pi, start }),
-                    );
+                    units.extend(ranked(pi).map(|start| Kind::Mig { profile: pi, start }));
                 }
             }
             units.push(Kind::Whole);
@@ -727,23 +831,28 @@ fn plan(
     // sharing rank) where the policy key orders the devices of one profile
     // across the node and the sharing rank puts a sharing device right after
     // its exclusive twin.
-    type Key = (bool, u8, u8, String, (u8, u32, usize), u8);
-    let mut all: Vec<(Key, String, Planned)> = Vec::new();
+    type Key<'a> = (bool, u8, u8, &'a str, (u8, u32, usize), u8);
+    let mut all: Vec<(Key<'_>, String, Planned)> = Vec::new();
+    // Spec checks, placement orders, ranks and name tokens: once per distinct spec.
+    let mut orders: Vec<(&GpuSpec, SpecOrder)> = Vec::new();
     for (gi, g) in gpus.iter().enumerate() {
         let index = g.gpu.index;
         let spec = &g.gpu.spec;
-        // carve_rank is per profile, not per device: compute it once per GPU.
-        let ranks: Vec<Vec<u8>> = match order {
-            DeviceOrder::Carve => (0..spec.profiles.len())
-                .map(|p| crate::order::carve_rank(spec, p))
-                .collect(),
-            DeviceOrder::FirstFit | DeviceOrder::Name => Vec::new(),
+        let oi = match orders.iter().position(|(s, _)| *s == spec) {
+            Some(oi) => oi,
+            None => {
+                spec.validate()
+                    .map_err(|source| SliceError::Spec { gpu: index, source })?;
+                orders.push((spec, SpecOrder::new(spec, order)));
+                orders.len() - 1
+            }
         };
-        for kind in with_sharing(g, gpu_units(g, order)?, sharing)? {
+        let so = &orders[oi].1;
+        for kind in with_sharing(g, gpu_units(g, so)?, sharing)? {
             let rank = kind.sharing_rank();
             let (key, nvidia_name, name) = match kind {
                 Kind::Whole | Kind::Mps | Kind::TimeSlice => (
-                    (true, 0, 0, String::new(), (0, index, 0), rank),
+                    (true, 0, 0, "", (0, index, 0), rank),
                     match kind {
                         Kind::Mps => format!("gpu-{index}-mps"),
                         Kind::TimeSlice => format!("gpu-{index}-ts"),
@@ -757,34 +866,25 @@ fn plan(
                 ),
                 Kind::Mig { profile, start } | Kind::MigMps { profile, start } => {
                     let p = &spec.profiles[profile];
-                    let name = match DeviceName::mig(index, &p.name, start)
-                        .map_err(|source| SliceError::ProfileName { gpu: index, source })?
-                    {
+                    let token = so.tokens[profile]
+                        .clone()
+                        .map_err(|source| SliceError::ProfileName { gpu: index, source })?;
+                    let name = if rank == 1 {
+                        DeviceName::MigMps {
+                            gpu: index,
+                            profile: token,
+                            start,
+                        }
+                    } else {
                         DeviceName::Mig {
-                            gpu,
-                            profile,
+                            gpu: index,
+                            profile: token,
                             start,
-                        } if rank == 1 => DeviceName::MigMps {
-                            gpu,
-                            profile,
-                            start,
-                        },
-                        n => n,
+                        }
                     };
                     let policy = match order {
-                        // Same key as `order::carve_device_key`, with the rank cached.
-                        DeviceOrder::Carve => (
-                            crate::order::placement_tier(
-                                spec,
-                                profile,
-                                crate::spec::Placement::new(start, p.memory_slices),
-                            ),
-                            index,
-                            ranks[profile]
-                                .iter()
-                                .position(|&s| s == start)
-                                .unwrap_or(usize::MAX),
-                        ),
+                        // Same key as `order::carve_device_key`, computed once per spec.
+                        DeviceOrder::Carve => so.carve_key(spec, profile, index, start),
                         DeviceOrder::FirstFit | DeviceOrder::Name => (0, index, usize::from(start)),
                     };
                     (
@@ -792,7 +892,7 @@ fn plan(
                             false,
                             p.memory_slices,
                             p.compute_slices,
-                            p.name.clone(),
+                            p.name.as_str(),
                             policy,
                             rank,
                         ),
@@ -982,15 +1082,52 @@ fn capacity(memory_mib: u64, multiprocessors: u32) -> BTreeMap<String, DeviceCap
     ])
 }
 
+/// Per GPU, what its devices share, made once: the common attributes and, per
+/// profile on first use, a MIG device's attributes (all but `placementStart`)
+/// and capacity.
+struct GpuParts {
+    common: BTreeMap<String, DeviceAttribute>,
+    mig: Vec<Option<MigParts>>,
+}
+
+type MigParts = (
+    BTreeMap<String, DeviceAttribute>,
+    BTreeMap<String, DeviceCapacity>,
+);
+
+impl GpuParts {
+    fn new(gpu: &PhysicalGpu) -> Result<Self, SliceError> {
+        Ok(Self {
+            common: common_attributes(gpu)?,
+            mig: vec![None; gpu.spec.profiles.len()],
+        })
+    }
+
+    fn mig(&mut self, spec: &GpuSpec, profile: usize) -> &MigParts {
+        let common = &self.common;
+        self.mig[profile].get_or_insert_with(|| {
+            let prof = &spec.profiles[profile];
+            let mut attrs = common.clone();
+            if let Some(u) = attrs.remove("uuid") {
+                attrs.insert("parentUUID".into(), u);
+            }
+            attrs.insert("type".into(), a_str("mig"));
+            attrs.insert("profile".into(), a_str(prof.name.clone()));
+            attrs.insert("memorySlices".into(), a_int(prof.memory_slices));
+            attrs.insert("computeSlices".into(), a_int(prof.compute_slices));
+            (attrs, capacity(prof.memory_mib, prof.multiprocessors))
+        })
+    }
+}
+
 fn make_device(
     p: &Planned,
     gpu: &PhysicalGpu,
-    common: &BTreeMap<String, DeviceAttribute>,
-    model: Option<&CounterModel>,
+    parts: &mut GpuParts,
+    model: Option<&CounterModel<'_>>,
     sharing: &SharingOptions,
 ) -> Result<Device, SliceError> {
     let spec = &gpu.spec;
-    let mut attrs = common.clone();
     let shared = |r: Result<Device, SharingError>| {
         r.map_err(|source| SliceError::Sharing {
             gpu: gpu.index,
@@ -1019,6 +1156,7 @@ fn make_device(
                 .and_then(|m| m.device(gpu, consumes(model.map(|c| c.mig(spec, profile, start))))),
         )?,
         Kind::Whole => {
+            let mut attrs = parts.common.clone();
             attrs.insert("type".into(), a_str("gpu"));
             Device {
                 name: p.name.to_string(),
@@ -1029,20 +1167,13 @@ fn make_device(
             }
         }
         Kind::Mig { profile, start } => {
-            let prof = &spec.profiles[profile];
-            let uuid = attrs.remove("uuid");
-            if let Some(u) = uuid {
-                attrs.insert("parentUUID".into(), u);
-            }
-            attrs.insert("type".into(), a_str("mig"));
-            attrs.insert("profile".into(), a_str(prof.name.clone()));
-            attrs.insert("memorySlices".into(), a_int(prof.memory_slices));
+            let (attrs, caps) = parts.mig(spec, profile);
+            let mut attrs = attrs.clone();
             attrs.insert("placementStart".into(), a_int(start));
-            attrs.insert("computeSlices".into(), a_int(prof.compute_slices));
             Device {
                 name: p.name.to_string(),
                 attributes: Some(attrs),
-                capacity: Some(capacity(prof.memory_mib, prof.multiprocessors)),
+                capacity: Some(caps.clone()),
                 consumes_counters: model.map(|m| m.mig(spec, profile, start)),
                 ..Default::default()
             }
@@ -1201,9 +1332,10 @@ pub fn build_slices(
 ) -> Result<Vec<ResourceSlice>, SliceError> {
     check_options(opts)?;
     let planned = plan(gpus, opts.order, &opts.sharing)?;
-    // Layout enumeration is the costly part; do it once per distinct spec.
-    let mut totals: Vec<(&GpuSpec, Totals)> = Vec::new();
-    let mut models: Vec<Option<CounterModel>> = Vec::with_capacity(gpus.len());
+    // The counters, and layout enumeration (the costly part), once per
+    // distinct spec; `shared_of[gi]` indexes `shared`.
+    let mut shared: Vec<(&GpuSpec, ModelCounters)> = Vec::new();
+    let mut shared_of: Vec<Option<usize>> = Vec::with_capacity(gpus.len());
     for g in gpus {
         let spec = &g.gpu.spec;
         if !spec.mig_capable {
@@ -1211,22 +1343,38 @@ pub fn build_slices(
                 || planned
                     .iter()
                     .any(|p| p.kind == Kind::Mps && std::ptr::eq(&gpus[p.gpu], g));
-            models.push(whole_shared.then(|| CounterModel::plain(&g.gpu)));
-            continue;
+            if !whole_shared {
+                shared_of.push(None);
+                continue;
+            }
         }
-        let t = match totals.iter().find(|(s, _)| *s == spec) {
-            Some(&(_, t)) => t,
+        let i = match shared.iter().position(|(s, _)| *s == spec) {
+            Some(i) => i,
             None => {
-                let t = max_layout_totals(spec);
-                totals.push((spec, t));
-                t
+                let counters = if spec.mig_capable {
+                    ModelCounters::new(spec, max_layout_totals(spec))
+                } else {
+                    ModelCounters::plain(spec)
+                };
+                shared.push((spec, counters));
+                shared.len() - 1
             }
         };
-        models.push(Some(CounterModel::new(&g.gpu, t)));
+        shared_of.push(Some(i));
     }
-    let commons: Vec<_> = gpus
+    let models: Vec<Option<CounterModel<'_>>> = gpus
         .iter()
-        .map(|g| common_attributes(&g.gpu))
+        .zip(&shared_of)
+        .map(|(g, i)| {
+            i.map(|i| CounterModel {
+                set: counter_set_name(g.gpu.index),
+                counters: &shared[i].1,
+            })
+        })
+        .collect();
+    let mut parts: Vec<GpuParts> = gpus
+        .iter()
+        .map(|g| GpuParts::new(&g.gpu))
         .collect::<Result<_, _>>()?;
     let devices: Vec<(usize, Device)> = planned
         .iter()
@@ -1234,7 +1382,7 @@ pub fn build_slices(
             make_device(
                 p,
                 &gpus[p.gpu].gpu,
-                &commons[p.gpu],
+                &mut parts[p.gpu],
                 models[p.gpu].as_ref(),
                 &opts.sharing,
             )
@@ -1242,27 +1390,26 @@ pub fn build_slices(
         })
         .collect::<Result<_, _>>()?;
 
+    // Per GPU: (counters in its set, its devices, their counter entries).
+    let mut per_gpu: Vec<(usize, usize, usize)> = models
+        .iter()
+        .map(|m| (m.as_ref().map_or(0, CounterModel::counters_len), 0, 0))
+        .collect();
+    for (gi, d) in &devices {
+        let k: usize = d
+            .consumes_counters
+            .iter()
+            .flatten()
+            .map(|cc| cc.counters.len())
+            .sum();
+        per_gpu[*gi].1 += 1;
+        per_gpu[*gi].2 += k;
+    }
     // Per-GPU limits: a GPU that alone breaks one cannot be published.
     let mut gpu_order: Vec<usize> = (0..gpus.len()).collect();
     gpu_order.sort_by_key(|&i| gpus[i].gpu.index);
-    let per_gpu = |gi: usize| -> (usize, usize, usize) {
-        let set = models[gi].as_ref().map_or(0, |m| m.capacity.len());
-        let (n, c) = devices
-            .iter()
-            .filter(|(g, _)| *g == gi)
-            .fold((0, 0), |(n, c), (_, d)| {
-                let k: usize = d
-                    .consumes_counters
-                    .iter()
-                    .flatten()
-                    .map(|cc| cc.counters.len())
-                    .sum();
-                (n + 1, c + k)
-            });
-        (set, n, c)
-    };
     for &gi in &gpu_order {
-        let (set, n, c) = per_gpu(gi);
+        let (set, n, c) = per_gpu[gi];
         let limit = |rule, detail: String| SliceError::Limit {
             gpu: gpus[gi].gpu.index,
             product: gpus[gi].gpu.spec.product_name.clone(),
@@ -1343,7 +1490,7 @@ pub fn build_slices(
             let mut groups: Vec<Vec<usize>> = Vec::new();
             let mut acc = (0, 0, 0);
             for &gi in &gpu_order {
-                let (s, n, c) = per_gpu(gi);
+                let (s, n, c) = per_gpu[gi];
                 let fits = acc.0 + s <= limits::SHARED_COUNTERS_PER_SLICE_V134
                     && acc.1 + n <= MAX_DEVICES_PER_SLICE
                     && acc.2 + c <= limits::DEVICE_COUNTERS_PER_SLICE_V134;
@@ -1358,7 +1505,18 @@ pub fn build_slices(
                     }
                 }
             }
-            for g in groups {
+            // Move (not clone) each device into its GPU's group, keeping order.
+            let mut group_of = vec![0; gpus.len()];
+            for (k, g) in groups.iter().enumerate() {
+                for &gi in g {
+                    group_of[gi] = k;
+                }
+            }
+            let mut grouped: Vec<Vec<Device>> = vec![Vec::new(); groups.len()];
+            for (gi, d) in devices {
+                grouped[group_of[gi]].push(d);
+            }
+            for (g, devices) in groups.iter().zip(grouped) {
                 buckets.push((
                     "devices",
                     Bucket {
@@ -1366,11 +1524,7 @@ pub fn build_slices(
                             .iter()
                             .filter_map(|&gi| models[gi].as_ref().map(CounterModel::counter_set))
                             .collect(),
-                        devices: devices
-                            .iter()
-                            .filter(|(gi, _)| g.contains(gi))
-                            .map(|(_, d)| d.clone())
-                            .collect(),
+                        devices,
                     },
                 ));
             }

@@ -638,3 +638,36 @@ fn the_same_slices_differ_by_layout() {
     let e = validate_slices(&v135(), V134).unwrap_err();
     assert_eq!(e.rule(), Rule::CounterSetReference);
 }
+
+#[test]
+fn pools_are_checked_apart_when_their_slices_interleave() {
+    let node = |name: &str| {
+        let gpus: Vec<NodeGpu> = simulated_node("h100-80gb", 2)
+            .unwrap()
+            .into_iter()
+            .map(|gpu| NodeGpu {
+                gpu,
+                policy: GpuPolicy::Dynamic,
+            })
+            .collect();
+        build_slices(&gpus, &SliceOptions::new(name, V135)).unwrap()
+    };
+    let (a, b) = (node("node-a"), node("node-b"));
+    // [a counters, b counters, a devices, b devices]
+    let mut s = vec![a[0].clone(), b[0].clone(), a[1].clone(), b[1].clone()];
+    validate_slices(&s, V135).unwrap();
+    fn whole(s: &mut [ResourceSlice]) -> &mut BTreeMap<String, Counter> {
+        let d = s[3].spec.devices.as_mut().unwrap().last_mut().unwrap();
+        assert_eq!(d.name, "gpu-1");
+        &mut d.consumes_counters.as_mut().unwrap()[0].counters
+    }
+    // The whole GPU consumes all 7 compute slices; the same amount written
+    // another way still fits, one milli-unit more does not.
+    whole(&mut s).insert("compute-slices".into(), Counter { value: q("7000m") });
+    validate_slices(&s, V135).unwrap();
+    whole(&mut s).insert("compute-slices".into(), Counter { value: q("7001m") });
+    let e = validate_slices(&s, V135).unwrap_err();
+    assert_eq!(e.rule(), Rule::CounterOverdraw, "{e}");
+    assert_eq!(e.slice(), b[1].metadata.name.as_deref().unwrap(), "{e}");
+    assert!(e.to_string().contains("\"gpu-1\""), "{e}");
+}

@@ -100,18 +100,14 @@ pub enum QuantityFormat {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Exact {
     input: String,
-    negative: bool,
-    mantissa: i128,
-    base2: u32,
-    exp10: i32,
-    format: QuantityFormat,
+    parts: Parts,
 }
 
 impl Exact {
     /// The suffix family.
     #[must_use]
     pub fn format(&self) -> QuantityFormat {
-        self.format
+        self.parts.format
     }
 
     /// The value in units of 10^-`decimals` (3: milli-units, 9: nano-units),
@@ -121,23 +117,37 @@ impl Exact {
     /// [`QuantityError::OutOfRange`] when the magnitude is above 2^63-1 or the
     /// precision is too fine to compute exactly.
     pub fn scaled(&self, decimals: u32) -> Result<i128, QuantityError> {
-        let range = || QuantityError::OutOfRange {
-            input: self.input.clone(),
-        };
+        self.parts
+            .scaled(decimals)
+            .ok_or_else(|| QuantityError::OutOfRange {
+                input: self.input.clone(),
+            })
+    }
+}
+
+/// The parsed form of a quantity without its text: what [`Exact`] holds, made
+/// without allocating so that validating many quantities stays cheap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Parts {
+    negative: bool,
+    mantissa: i128,
+    base2: u32,
+    exp10: i32,
+    format: QuantityFormat,
+}
+
+impl Parts {
+    /// As [`Exact::scaled`]; `None` when out of range.
+    fn scaled(&self, decimals: u32) -> Option<i128> {
         if self.mantissa == 0 {
-            return Ok(0);
+            return Some(0);
         }
-        let decimals_i = i32::try_from(decimals).map_err(|_| range())?;
+        let decimals_i = i32::try_from(decimals).ok()?;
         // value = mant * 2^base2 * 10^(exp10 + decimals)
         let scale = self.exp10 + decimals_i;
-        let mut v = self
-            .mantissa
-            .checked_mul(1i128.checked_shl(self.base2).ok_or_else(range)?)
-            .ok_or_else(range)?;
+        let mut v = self.mantissa.checked_mul(1i128.checked_shl(self.base2)?)?;
         if scale >= 0 {
-            v = v
-                .checked_mul(10i128.checked_pow(scale.unsigned_abs()).ok_or_else(range)?)
-                .ok_or_else(range)?;
+            v = v.checked_mul(pow10(scale.unsigned_abs())?)?;
         } else {
             // Divide in steps that fit an i128, rounding up each time; for
             // positive integers ceil(ceil(x / a) / b) == ceil(x / (a * b)).
@@ -149,14 +159,26 @@ impl Exact {
                 left -= step;
             }
         }
-        let limit = i128::from(i64::MAX)
-            .checked_mul(10i128.checked_pow(decimals).ok_or_else(range)?)
-            .ok_or_else(range)?;
+        let limit = i128::from(i64::MAX).checked_mul(pow10(decimals)?)?;
         if v.cmp(&limit) == Ordering::Greater {
-            return Err(range());
+            return None;
         }
-        Ok(if self.negative { -v } else { v })
+        Some(if self.negative { -v } else { v })
     }
+}
+
+/// 10^`e`, `None` when it does not fit an i128 (`e` > 38).
+fn pow10(e: u32) -> Option<i128> {
+    const POW10: [i128; 39] = {
+        let mut t = [1i128; 39];
+        let mut i = 1;
+        while i < 39 {
+            t[i] = t[i - 1] * 10;
+            i += 1;
+        }
+        t
+    };
+    POW10.get(usize::try_from(e).ok()?).copied()
 }
 
 /// Parse a Kubernetes quantity string.
@@ -164,7 +186,11 @@ impl Exact {
 /// # Errors
 /// [`QuantityError`] naming the text and what is wrong with it.
 pub fn parse_quantity(input: &str) -> Result<Amount, QuantityError> {
-    let milli = parse_exact(input)?.scaled(3)?;
+    let milli = parse_parts(input)?
+        .scaled(3)
+        .ok_or_else(|| QuantityError::OutOfRange {
+            input: input.to_string(),
+        })?;
     Ok(Amount { milli })
 }
 
@@ -175,6 +201,14 @@ pub fn parse_quantity(input: &str) -> Result<Amount, QuantityError> {
 /// # Errors
 /// [`QuantityError`] naming the text and what is wrong with it.
 pub fn parse_exact(input: &str) -> Result<Exact, QuantityError> {
+    Ok(Exact {
+        input: input.to_string(),
+        parts: parse_parts(input)?,
+    })
+}
+
+/// The grammar of [`parse_quantity`]; allocates only for an error.
+fn parse_parts(input: &str) -> Result<Parts, QuantityError> {
     let bad = |why| QuantityError::Malformed {
         input: input.to_string(),
         why,
@@ -188,17 +222,23 @@ pub fn parse_exact(input: &str) -> Result<Exact, QuantityError> {
         Some(b'+') => (false, &input[1..]),
         Some(_) => (false, input),
     };
-    let num_end = rest
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(rest.len());
-    let (number, suffix) = rest.split_at(num_end);
-    let (int_part, frac_part) = match number.split_once('.') {
-        Some((i, f)) => {
-            if f.contains('.') {
-                return Err(bad("more than one decimal point"));
-            }
-            (i, f)
+    // The number is the longest prefix of digits and '.'; both are ASCII, so
+    // the byte after it starts a character.
+    let bytes = rest.as_bytes();
+    let mut num_end = 0;
+    let mut dot = None;
+    while let Some(&b) = bytes.get(num_end) {
+        match b {
+            b'0'..=b'9' => {}
+            b'.' if dot.is_none() => dot = Some(num_end),
+            b'.' => return Err(bad("more than one decimal point")),
+            _ => break,
         }
+        num_end += 1;
+    }
+    let (number, suffix) = rest.split_at(num_end);
+    let (int_part, frac_part) = match dot {
+        Some(d) => (&number[..d], &number[d + 1..]),
         None => (number, ""),
     };
     if int_part.is_empty() && frac_part.is_empty() {
@@ -240,20 +280,24 @@ pub fn parse_exact(input: &str) -> Result<Exact, QuantityError> {
             ));
         }
     };
-    // Mantissa digits, without trailing fractional zeros or leading zeros.
+    // Mantissa digits: the integer part then the fraction without its
+    // trailing zeros, leading zeros not counted.
     let frac = frac_part.trim_end_matches('0');
-    let digits = format!("{int_part}{frac}");
-    let mant_digits = digits.trim_start_matches('0');
-    if mant_digits.len() > MAX_DIGITS || frac.len() > MAX_DIGITS {
+    let int_digits = int_part.trim_start_matches('0');
+    let mant_len = if int_digits.is_empty() {
+        frac.trim_start_matches('0').len()
+    } else {
+        int_digits.len() + frac.len()
+    };
+    if mant_len > MAX_DIGITS || frac.len() > MAX_DIGITS {
         return Err(bad("too many digits"));
     }
-    let mantissa: i128 = if mant_digits.is_empty() {
-        0
-    } else {
-        mant_digits.parse().map_err(|_| range())?
-    };
-    Ok(Exact {
-        input: input.to_string(),
+    // At most 30 significant digits: always fits an i128.
+    let mantissa = int_digits
+        .bytes()
+        .chain(frac.bytes())
+        .fold(0i128, |m, b| m * 10 + i128::from(b - b'0'));
+    Ok(Parts {
         negative,
         mantissa,
         base2,
@@ -314,6 +358,13 @@ mod tests {
         assert_eq!(milli("0.000"), 0);
         assert_eq!(milli("250u"), 1);
         assert_eq!(milli("2000000n"), 2);
+        assert_eq!(milli("0.0012"), 2);
+        assert_eq!(milli("00.5"), 500);
+        assert_eq!(milli("1.0000000000000000000000000001"), 1001);
+        assert_eq!(
+            milli("123456789012345678901234567890e-20"),
+            1_234_567_890_124
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! cross-slice rules the 1.35+ API server leaves to the scheduler (a counter
 //! reference that does not resolve makes the whole pool unallocatable).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceAttribute, ResourceSlice};
@@ -258,15 +258,28 @@ pub(crate) fn is_dns_label(s: &str) -> bool {
 /// RFC 1123 subdomain as Kubernetes checks it: labels joined by `.`, at most 253
 /// in all (Kubernetes does not check per-label length here).
 pub(crate) fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= limits::DNS_SUBDOMAIN
-        && s.split('.').all(|l| {
-            let b = l.as_bytes();
-            !b.is_empty()
-                && is_alnum_lower(b[0])
-                && is_alnum_lower(b[b.len() - 1])
-                && b.iter().all(|&c| is_alnum_lower(c) || c == b'-')
-        })
+    let b = s.as_bytes();
+    if b.is_empty() || b.len() > limits::DNS_SUBDOMAIN {
+        return false;
+    }
+    // One pass: every label non-empty, of [-a-z0-9], starting and ending alphanumeric.
+    let mut label_start = true;
+    let mut prev = b'.';
+    for &c in b {
+        if c == b'.' {
+            if label_start || !is_alnum_lower(prev) {
+                return false;
+            }
+            label_start = true;
+        } else {
+            if !(is_alnum_lower(c) || (c == b'-' && !label_start)) {
+                return false;
+            }
+            label_start = false;
+        }
+        prev = c;
+    }
+    !label_start && is_alnum_lower(prev)
 }
 
 /// Label value: empty, or `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]`, at most 63.
@@ -299,11 +312,10 @@ fn is_c_identifier(s: &str) -> bool {
 
 /// Why a qualified attribute/capacity name is invalid, if it is.
 fn qualified_name_problem(s: &str) -> Option<String> {
-    let mut parts = s.split('/');
-    let (domain, id) = match (parts.next(), parts.next(), parts.next()) {
-        (Some(id), None, _) => (None, id),
-        (Some(d), Some(id), None) => (Some(d), id),
-        _ => return Some("more than one '/'".into()),
+    let (domain, id) = match s.bytes().position(|b| b == b'/') {
+        None => (None, s),
+        Some(i) if !s.as_bytes()[i + 1..].contains(&b'/') => (Some(&s[..i]), &s[i + 1..]),
+        Some(_) => return Some("more than one '/'".into()),
     };
     if let Some(d) = domain
         && (d.len() > limits::DRIVER_NAME || !is_dns_subdomain(d))
@@ -341,9 +353,8 @@ pub(crate) fn is_semver(s: &str) -> bool {
         Some((c, p)) => (c, Some(p)),
         None => (rest, None),
     };
-    let nums: Vec<&str> = core.split('.').collect();
-    nums.len() == 3
-        && nums.iter().all(|n| {
+    core.split('.').count() == 3
+        && core.split('.').all(|n| {
             !n.is_empty()
                 && n.bytes().all(|b| b.is_ascii_digit())
                 && !(n.len() > 1 && n.starts_with('0'))
@@ -399,13 +410,24 @@ pub fn validate_slices(
     slices: &[ResourceSlice],
     layout: KubeLayout,
 ) -> Result<(), ValidationError> {
+    // Every consumed quantity, parsed once by the per-slice checks (in the
+    // order slices, devices, consumesCounters entries, counters) and read
+    // back in that order by the pool checks; `starts[i]` is where slice `i`'s
+    // begin.
+    let mut consumed = Vec::new();
+    let mut starts = Vec::with_capacity(slices.len());
     for s in slices {
-        validate_slice(s, layout)?;
+        starts.push(consumed.len());
+        validate_slice(s, layout, &mut consumed)?;
     }
-    validate_pools(slices, layout)
+    validate_pools(slices, layout, &starts, &consumed)
 }
 
-fn validate_slice(s: &ResourceSlice, layout: KubeLayout) -> Result<(), ValidationError> {
+fn validate_slice(
+    s: &ResourceSlice,
+    layout: KubeLayout,
+    consumed: &mut Vec<Amount>,
+) -> Result<(), ValidationError> {
     let name = slice_name(s);
     let c = Ctx { slice: name };
     if !is_dns_subdomain(name) {
@@ -519,8 +541,13 @@ fn validate_slice(s: &ResourceSlice, layout: KubeLayout) -> Result<(), Validatio
     }
     let per_device = spec.per_device_node_selection == Some(true);
     let mut device_counters = 0usize;
+    // The attribute names of the last device that passed: a name equal to
+    // one of them is known to be valid (devices of one GPU share most).
+    let mut known_names = None;
     for d in devices {
-        device_counters += validate_device(d, layout, per_device, &set_names, &c)?;
+        device_counters +=
+            validate_device(d, layout, per_device, &set_names, &c, consumed, known_names)?;
+        known_names = d.attributes.as_ref();
     }
     if layout == KubeLayout::V134 && device_counters > limits::DEVICE_COUNTERS_PER_SLICE_V134 {
         return Err(c.slice(
@@ -581,9 +608,11 @@ fn validate_node_selection(s: &ResourceSlice, c: &Ctx<'_>) -> Result<(), Validat
     Ok(())
 }
 
+/// Checks a counters map; pushes each parsed value to `parsed`.
 fn validate_counters_map<'a>(
     counters: impl ExactSizeIterator<Item = (&'a String, &'a Counter)>,
     err: impl Fn(Rule, String) -> ValidationError,
+    parsed: &mut Vec<Amount>,
 ) -> Result<(), ValidationError> {
     if counters.len() == 0 {
         return Err(err(Rule::CountersEmpty, "counters map is empty".into()));
@@ -595,8 +624,10 @@ fn validate_counters_map<'a>(
                 format!("counter name {k:?} is not a DNS label"),
             ));
         }
-        quantity::parse(&v.value)
-            .map_err(|e| err(Rule::Quantity, format!("counter {k:?}: {e}")))?;
+        parsed.push(
+            quantity::parse(&v.value)
+                .map_err(|e| err(Rule::Quantity, format!("counter {k:?}: {e}")))?,
+        );
     }
     Ok(())
 }
@@ -613,7 +644,11 @@ fn validate_counter_set(
             "counter set name is not a DNS label",
         ));
     }
-    validate_counters_map(set.counters.iter(), |r, d| c.set(&set.name, r, d))?;
+    validate_counters_map(
+        set.counters.iter(),
+        |r, d| c.set(&set.name, r, d),
+        &mut Vec::new(),
+    )?;
     if layout == KubeLayout::V135Plus && set.counters.len() > limits::COUNTERS_PER_SET {
         return Err(c.set(
             &set.name,
@@ -651,6 +686,8 @@ fn validate_device(
     per_device_selection: bool,
     slice_sets: &BTreeSet<&str>,
     c: &Ctx<'_>,
+    consumed: &mut Vec<Amount>,
+    known_names: Option<&BTreeMap<String, DeviceAttribute>>,
 ) -> Result<usize, ValidationError> {
     let name = d.name.as_str();
     let err = |rule, detail: String| c.device(name, rule, detail);
@@ -662,8 +699,12 @@ fn validate_device(
     }
     let attrs = d.attributes.as_ref();
     let caps = d.capacity.as_ref();
+    // Both maps are sorted: walk the known names along with these.
+    let mut known = known_names.into_iter().flat_map(BTreeMap::keys).peekable();
     for (k, a) in attrs.into_iter().flatten() {
-        if let Some(p) = qualified_name_problem(k) {
+        while known.next_if(|n| *n < k).is_some() {}
+        let valid = known.peek().is_some_and(|n| *n == k);
+        if !valid && let Some(p) = qualified_name_problem(k) {
             return Err(err(Rule::AttributeName, format!("attribute {k:?}: {p}")));
         }
         let n = attribute_values(a);
@@ -673,13 +714,7 @@ fn validate_device(
                 format!("attribute {k:?} has {n} values, exactly one is required"),
             ));
         }
-        let strings = a
-            .string
-            .iter()
-            .chain(a.version.iter())
-            .chain(a.strings.iter().flatten())
-            .chain(a.versions.iter().flatten());
-        for s in strings {
+        let length = |s: &String| {
             if s.len() > limits::ATTRIBUTE_STRING_BYTES {
                 return Err(err(
                     Rule::StringLength,
@@ -690,15 +725,24 @@ fn validate_device(
                     ),
                 ));
             }
-        }
-        for v in a.version.iter().chain(a.versions.iter().flatten()) {
+            Ok(())
+        };
+        let semver = |v: &String| {
             if !is_semver(v) {
                 return Err(err(
                     Rule::VersionFormat,
                     format!("attribute {k:?} version {v:?} is not semver 2.0.0"),
                 ));
             }
-        }
+            Ok(())
+        };
+        // Lengths of all strings first, then version syntax.
+        a.string.iter().try_for_each(length)?;
+        a.version.iter().try_for_each(length)?;
+        a.strings.iter().flatten().try_for_each(length)?;
+        a.versions.iter().flatten().try_for_each(length)?;
+        a.version.iter().try_for_each(semver)?;
+        a.versions.iter().flatten().try_for_each(semver)?;
     }
     let multi = d.allow_multiple_allocations == Some(true);
     for (k, cap) in caps.into_iter().flatten() {
@@ -770,9 +814,8 @@ fn validate_device(
             ),
         ));
     }
-    let mut seen = BTreeSet::new();
     let mut total = 0usize;
-    for cc in consumes {
+    for (i, cc) in consumes.iter().enumerate() {
         if !is_dns_label(&cc.counter_set) {
             return Err(err(
                 Rule::CounterSetName,
@@ -782,7 +825,10 @@ fn validate_device(
                 ),
             ));
         }
-        if !seen.insert(cc.counter_set.as_str()) {
+        if consumes[..i]
+            .iter()
+            .any(|o| o.counter_set == cc.counter_set)
+        {
             return Err(err(
                 Rule::ConsumptionEntries,
                 format!(
@@ -791,9 +837,11 @@ fn validate_device(
                 ),
             ));
         }
-        validate_counters_map(cc.counters.iter(), |r, detail| {
-            err(r, format!("consumes from {:?}: {detail}", cc.counter_set))
-        })?;
+        validate_counters_map(
+            cc.counters.iter(),
+            |r, detail| err(r, format!("consumes from {:?}: {detail}", cc.counter_set)),
+            consumed,
+        )?;
         if layout == KubeLayout::V135Plus && cc.counters.len() > limits::COUNTERS_PER_CONSUMPTION {
             return Err(err(
                 Rule::CountersPerConsumption,
@@ -828,17 +876,28 @@ fn validate_device(
     Ok(total)
 }
 
-fn validate_pools(slices: &[ResourceSlice], _layout: KubeLayout) -> Result<(), ValidationError> {
-    let mut pools: BTreeMap<(&str, &str), Vec<&ResourceSlice>> = BTreeMap::new();
-    for s in slices {
+/// A counter set's counters, sorted by name, with their parsed values.
+type SetValues<'a> = Vec<(&'a str, Amount)>;
+
+/// The cross-slice checks of every pool; `consumed` holds the parsed consumed
+/// quantities of [`validate_slices`], slice `i`'s from `starts[i]`.
+fn validate_pools(
+    slices: &[ResourceSlice],
+    _layout: KubeLayout,
+    starts: &[usize],
+    consumed: &[Amount],
+) -> Result<(), ValidationError> {
+    let mut pools: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
+    for (i, s) in slices.iter().enumerate() {
         pools
             .entry((s.spec.driver.as_str(), s.spec.pool.name.as_str()))
             .or_default()
-            .push(s);
+            .push(i);
     }
     for ((_, pool), members) in pools {
-        let first = members[0];
-        for s in &members {
+        let first = &slices[members[0]];
+        for &i in &members {
+            let s = &slices[i];
             let c = Ctx {
                 slice: slice_name(s),
             };
@@ -864,19 +923,20 @@ fn validate_pools(slices: &[ResourceSlice], _layout: KubeLayout) -> Result<(), V
                 ));
             }
         }
-        // Counter sets of the pool.
-        let mut sets: BTreeMap<&str, (&str, BTreeMap<&str, Amount>)> = BTreeMap::new();
-        for s in &members {
+        // Counter sets of the pool: (slice, counters sorted by name).
+        let mut sets: BTreeMap<&str, (&str, SetValues<'_>)> = BTreeMap::new();
+        for &i in &members {
+            let s = &slices[i];
             for set in s.spec.shared_counters.iter().flatten() {
                 let c = Ctx {
                     slice: slice_name(s),
                 };
-                let mut values = BTreeMap::new();
+                let mut values = Vec::with_capacity(set.counters.len());
                 for (k, v) in &set.counters {
                     let a = quantity::parse(&v.value).map_err(|e| {
                         c.set(&set.name, Rule::Quantity, format!("counter {k:?}: {e}"))
                     })?;
-                    values.insert(k.as_str(), a);
+                    values.push((k.as_str(), a));
                 }
                 if let Some((other, _)) = sets.insert(set.name.as_str(), (slice_name(s), values)) {
                     return Err(c.set(
@@ -887,11 +947,13 @@ fn validate_pools(slices: &[ResourceSlice], _layout: KubeLayout) -> Result<(), V
                 }
             }
         }
-        let mut devices: BTreeMap<&str, &str> = BTreeMap::new();
-        for s in &members {
+        let mut devices: HashMap<&str, &str> = HashMap::new();
+        for &i in &members {
+            let s = &slices[i];
             let c = Ctx {
                 slice: slice_name(s),
             };
+            let mut next = starts[i];
             for d in s.spec.devices.iter().flatten() {
                 if let Some(other) = devices.insert(d.name.as_str(), slice_name(s)) {
                     return Err(c.device(
@@ -908,26 +970,27 @@ fn validate_pools(slices: &[ResourceSlice], _layout: KubeLayout) -> Result<(), V
                             format!("pool {pool:?}: consumes counter set {:?}, which no slice of the pool defines", cc.counter_set),
                         ));
                     };
+                    // Both sorted by name: walk them together.
+                    let mut have = values.iter().peekable();
                     for (k, v) in &cc.counters {
-                        let Some(&have) = values.get(k.as_str()) else {
+                        let want = consumed[next];
+                        next += 1;
+                        while have.next_if(|(n, _)| *n < k.as_str()).is_some() {}
+                        let Some(&&(_, have)) = have.peek().filter(|(n, _)| *n == k.as_str())
+                        else {
                             return Err(c.device(
                                 &d.name,
                                 Rule::CounterReference,
                                 format!("consumes counter {k:?}, which counter set {:?} does not define", cc.counter_set),
                             ));
                         };
-                        let want = quantity::parse(&v.value).map_err(|e| {
-                            c.device(&d.name, Rule::Quantity, format!("counter {k:?}: {e}"))
-                        })?;
                         if want > have {
                             return Err(c.device(
                                 &d.name,
                                 Rule::CounterOverdraw,
                                 format!(
-                                    "consumes {} of counter {k:?} in set {:?}, which holds {}",
-                                    v.value.0,
-                                    cc.counter_set,
-                                    sets[cc.counter_set.as_str()].1[k.as_str()]
+                                    "consumes {} of counter {k:?} in set {:?}, which holds {have}",
+                                    v.value.0, cc.counter_set,
                                 ),
                             ));
                         }

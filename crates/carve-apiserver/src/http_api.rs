@@ -373,7 +373,10 @@ async fn dispatch(
                     (false, _) => String::new(),
                 };
                 let dry = query.dry_run()?;
-                let obj = read_json(parts, body).await?;
+                let mut obj = read_json(parts, body).await?;
+                if res == Resource::ResourceSlices && !state.partitionable_devices() {
+                    drop_partitionable_fields(&mut obj);
+                }
                 let created = store.create(res, &ns, obj, dry)?;
                 Ok(json_response(201, &created))
             }
@@ -399,7 +402,16 @@ async fn dispatch(
                     .ok_or_else(|| ApiError::not_found(res, &name)),
                 Method::PUT => {
                     let dry = query.dry_run()?;
-                    let obj = read_json(parts, body).await?;
+                    let mut obj = read_json(parts, body).await?;
+                    if res == Resource::ResourceSlices
+                        && part == Part::Main
+                        && !state.partitionable_devices()
+                        && !store
+                            .get(res, Some(&ns), &name)
+                            .is_some_and(|o| uses_partitionable_fields(&o))
+                    {
+                        drop_partitionable_fields(&mut obj);
+                    }
                     let updated = store.update(res, &ns, &name, obj, part, dry)?;
                     Ok(json_response(200, &updated))
                 }
@@ -439,6 +451,29 @@ async fn read_bytes(body: Incoming) -> Result<Bytes, ApiError> {
         .await
         .map(|c| c.to_bytes())
         .map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))
+}
+
+/// Whether a ResourceSlice uses the fields of DRAPartitionableDevices.
+fn uses_partitionable_fields(obj: &Value) -> bool {
+    obj.pointer("/spec/sharedCounters").is_some()
+        || obj
+            .pointer("/spec/devices")
+            .and_then(Value::as_array)
+            .is_some_and(|d| d.iter().any(|d| d.get("consumesCounters").is_some()))
+}
+
+/// What an API server with DRAPartitionableDevices off does to a new slice.
+fn drop_partitionable_fields(obj: &mut Value) {
+    if let Some(spec) = obj.get_mut("spec").and_then(Value::as_object_mut) {
+        spec.remove("sharedCounters");
+        if let Some(devs) = spec.get_mut("devices").and_then(Value::as_array_mut) {
+            for d in devs {
+                if let Some(d) = d.as_object_mut() {
+                    d.remove("consumesCounters");
+                }
+            }
+        }
+    }
 }
 
 async fn read_json(parts: &Parts, body: Incoming) -> Result<Value, ApiError> {

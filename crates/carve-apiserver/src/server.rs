@@ -33,6 +33,9 @@ pub(crate) struct ServerState {
     stats: Mutex<(Stats, Vec<RequestRecord>)>,
     faults: Mutex<Vec<PendingFault>>,
     down: AtomicBool,
+    /// The DRAPartitionableDevices feature gate: off, ResourceSlice writes
+    /// lose `sharedCounters` and `consumesCounters` (unless already in use).
+    partitionable_devices: AtomicBool,
     /// Bumped when the server goes down or stops: open watches end.
     pub epoch: watch::Sender<u64>,
     /// Bumped by [`ApiServer::send_bookmarks`].
@@ -52,6 +55,7 @@ impl ServerState {
             stats: Mutex::new((Stats::default(), Vec::new())),
             faults: Mutex::new(Vec::new()),
             down: AtomicBool::new(false),
+            partitionable_devices: AtomicBool::new(true),
             epoch: watch::Sender::new(0),
             bookmarks: watch::Sender::new(0),
         }
@@ -59,6 +63,10 @@ impl ServerState {
 
     pub fn version(&self) -> KubeVersion {
         *lock(&self.version)
+    }
+
+    pub fn partitionable_devices(&self) -> bool {
+        self.partitionable_devices.load(Ordering::SeqCst)
     }
 
     pub fn is_down(&self) -> bool {
@@ -232,6 +240,14 @@ impl ApiServer {
             Ok(c) => c,
             Err(e) => panic!("{e}"),
         }
+    }
+
+    /// Turns the DRAPartitionableDevices feature gate on (the default here) or
+    /// off. Off, the server drops `spec.sharedCounters` and every device's
+    /// `consumesCounters` from ResourceSlices it creates, and from updates of
+    /// slices that do not use them yet, as the real API server does.
+    pub fn set_partitionable_devices(&self, on: bool) {
+        self.state.partitionable_devices.store(on, Ordering::SeqCst);
     }
 
     /// Changes what `/version` reports from now on.

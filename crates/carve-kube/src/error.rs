@@ -38,6 +38,19 @@ pub enum PublishError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The API server stored a slice without the counter fields it was sent:
+    /// the DRAPartitionableDevices feature gate is off. The sync stopped there.
+    #[error(
+        "{verb} ResourceSlice {slice}: the API server dropped {dropped} and stored the slice without them: the DRAPartitionableDevices feature gate is off (its default in Kubernetes 1.34 and 1.35); enable it (--feature-gates=DRAPartitionableDevices=true on kube-apiserver, kube-scheduler and kube-controller-manager), without it MIG partitions cannot be published safely"
+    )]
+    CountersDropped {
+        /// Create or update.
+        verb: Verb,
+        /// The slice.
+        slice: String,
+        /// What was dropped.
+        dropped: String,
+    },
     /// Listing the slices of this driver on this node failed.
     #[error("list ResourceSlices of driver {driver} on node {node}")]
     List {
@@ -101,7 +114,9 @@ impl PublishError {
             | PublishError::Api { source, .. }
             | PublishError::Conflict { source, .. }
             | PublishError::Version { source } => api_code(source),
-            PublishError::InvalidDesired { .. } | PublishError::BadVersion { .. } => None,
+            PublishError::InvalidDesired { .. }
+            | PublishError::BadVersion { .. }
+            | PublishError::CountersDropped { .. } => None,
         }
     }
 }

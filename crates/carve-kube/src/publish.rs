@@ -371,14 +371,10 @@ fn check_counters_kept(
 
 /// The error for a write whose counter fields the server dropped.
 fn counters_dropped(verb: Verb, slice: String, dropped: &str) -> PublishError {
-    PublishError::InvalidDesired {
-        reason: format!(
-            "the API server dropped {dropped} on {verb} and stored the slice without them: \
-             the DRAPartitionableDevices feature gate is off (its default in Kubernetes 1.34 and 1.35). \
-             Enable it (--feature-gates=DRAPartitionableDevices=true on kube-apiserver, kube-scheduler \
-             and kube-controller-manager); without it MIG partitions cannot be published safely"
-        ),
+    PublishError::CountersDropped {
+        verb,
         slice,
+        dropped: dropped.to_string(),
     }
 }
 

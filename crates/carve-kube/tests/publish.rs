@@ -502,3 +502,40 @@ fn sync_is_send(mut p: SlicePublisher) {
     fn send<T: Send>(_: T) {}
     send(async move { p.sync(Vec::new()).await });
 }
+/// With DRAPartitionableDevices off the API server stores slices without
+/// their counter fields and answers with what it stored: the sync stops at the
+/// first such write with an error naming the slice and the gate, and a later
+/// sync stops again after one write instead of rewriting in a loop.
+#[tokio::test]
+async fn dropped_counter_fields_stop_the_sync_and_name_the_gate() {
+    let server = server().await;
+    server.set_partitionable_devices(false);
+    let desired = h200_node(8);
+    let err = publisher(&server)
+        .sync(desired.clone())
+        .await
+        .expect_err("counters were dropped");
+    let msg = err.to_string();
+    assert!(msg.contains("DRAPartitionableDevices"), "{msg}");
+    let first = desired[0].metadata.name.clone().unwrap();
+    assert!(msg.contains(&first), "{msg} does not name {first}");
+    assert_eq!(server.stats().writes, 1, "stopped at the first write");
+    server.reset_stats();
+    assert!(publisher(&server).sync(desired.clone()).await.is_err());
+    assert_eq!(server.stats().writes, 1, "one write per sync, no loop");
+    // With the gate on the same desired set publishes, counters included.
+    server.set_partitionable_devices(true);
+    let report = publisher(&server).sync(desired.clone()).await.unwrap();
+    assert_eq!(report.writes(), desired.len());
+    let stored = server.store().list(Resource::ResourceSlices);
+    assert!(
+        stored
+            .iter()
+            .any(|s| s.pointer("/spec/sharedCounters").is_some())
+    );
+    assert!(
+        stored
+            .iter()
+            .any(|s| s.pointer("/spec/devices/0/consumesCounters").is_some())
+    );
+}

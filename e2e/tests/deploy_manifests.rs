@@ -839,6 +839,7 @@ fn default_values_render_to_valid_manifests() {
     );
     assert!(!a.iter().any(|x| x.starts_with("--nvml-lib")), "{a:?}");
     assert!(!a.iter().any(|x| x.starts_with("--mps-control")), "{a:?}");
+    assert!(!a.iter().any(|x| x.starts_with("--sharing")), "{a:?}");
     assert_eq!(host_paths(ds).get("dev").map(String::as_str), Some("/dev"));
     let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     assert_eq!(
@@ -1130,6 +1131,11 @@ fn mps_and_per_gpu_policy_render_flags() {
         a.contains(&"--mps-control=/driver/usr/bin/nvidia-cuda-mps-control".to_string()),
         "{a:?}"
     );
+    // MPS state on the host path that is mounted at the same place (CDI
+    // bind-mounts the pipe directories from it into workload containers).
+    assert!(a.contains(&"--mps-dir=/run/carve/mps".to_string()), "{a:?}");
+    assert!(a.contains(&"--mps-protocol=auto".to_string()), "{a:?}");
+    assert!(a.contains(&"--sharing=mps,mig-mps".to_string()), "{a:?}");
     assert_eq!(
         host_paths(ds).get("mps-root").map(String::as_str),
         Some("/run/carve/mps")
@@ -1140,7 +1146,18 @@ fn mps_and_per_gpu_policy_render_flags() {
         .flatten()
         .find(|v| v.name == "mps-root")
         .unwrap();
-    assert_eq!(mount.mount_propagation.as_deref(), Some("Bidirectional"));
+    assert_eq!(
+        mount.mount_path, "/run/carve/mps",
+        "mounted at the host's path"
+    );
+}
+
+#[test]
+fn timeslice_alone_renders_its_sharing_flag() {
+    let m = render_valid(&values_with("{timeslice: {enabled: true}}"));
+    let a = args(plugin_container(one(&m.daemonsets, "DaemonSet")));
+    assert!(a.contains(&"--sharing=timeslice".to_string()), "{a:?}");
+    assert!(!a.iter().any(|x| x.starts_with("--mps")), "{a:?}");
 }
 
 #[test]

@@ -49,6 +49,8 @@ label_enum!(
         PlacementUnavailable => "placement_unavailable",
         /// An NVML call failed.
         Nvml => "nvml",
+        /// Starting, configuring or stopping an MPS control daemon failed.
+        Mps => "mps",
         /// Writing or removing the CDI spec failed.
         Cdi => "cdi",
         /// Writing the checkpoint failed.

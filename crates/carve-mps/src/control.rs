@@ -1,7 +1,7 @@
 //! [`MpsControl`]: one MPS control daemon per shared unit (a whole GPU or one
 //! MIG instance), its clients, and their limits.
 //!
-//! Files, all under `<state_root>/mps/<unit>/` (directories 0700):
+//! Files, all under `<MPS root>/<unit>/` (directories 0700):
 //! `pipe/` (`CUDA_MPS_PIPE_DIRECTORY`, where the daemon writes
 //! `nvidia-cuda-mps-control.pid`), `log/` (`CUDA_MPS_LOG_DIRECTORY`) and
 //! `state.json` (daemon identity and clients, written atomically), which lets a
@@ -303,7 +303,12 @@ impl<'a> Daemon<'a> {
             args: args.join(" "),
             why,
         };
-        let out = proc::run(cmd, "", self.cfg.timeout).map_err(failed)?;
+        // Could not run it at all (spawn error, timeout): not a refusal.
+        let out = proc::run(cmd, "", self.cfg.timeout).map_err(|why| MpsError::Command {
+            unit: self.unit.to_string(),
+            command: format!("{} {}", self.cfg.control_binary.display(), args.join(" ")),
+            why,
+        })?;
         if !out.status.success() {
             return Err(failed(format!("{}: {}", out.status, out.stderr.trim())));
         }
@@ -467,6 +472,14 @@ impl MpsControl {
     /// Current clients, by `<claim>/<share>`.
     pub fn clients(&self) -> impl Iterator<Item = &ClientSpec> {
         self.state.clients.values()
+    }
+
+    /// The container edits and cgroup of a recorded share, as
+    /// [`MpsControl::add_client`] returned them.
+    #[must_use]
+    pub fn share(&self, claim_uid: &str, share_id: &str) -> Option<(ShareEdits, Option<PathBuf>)> {
+        let c = self.state.clients.get(&format!("{claim_uid}/{share_id}"))?;
+        Some((self.edits(c), c.cgroup.clone()))
     }
 
     /// Whether no claim uses the unit (then a MIG instance behind it may go).

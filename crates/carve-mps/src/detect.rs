@@ -35,8 +35,11 @@ pub enum ProtocolChoice {
 pub struct MpsConfig {
     /// Path of `nvidia-cuda-mps-control`.
     pub control_binary: PathBuf,
-    /// The plugin's state root; MPS units live under `<root>/mps/` (0700).
-    pub state_root: PathBuf,
+    /// The MPS root: one directory per unit below it (0700), normally
+    /// `<plugin state dir>/mps`. Unit pipe directories are bind-mounted into
+    /// workload containers, so this must be a host path (or mounted at the
+    /// same path as on the host).
+    pub root: PathBuf,
     /// cgroup v2 mount, normally `/sys/fs/cgroup`.
     pub cgroup_root: PathBuf,
     /// Requested protocol.
@@ -46,23 +49,24 @@ pub struct MpsConfig {
 }
 
 impl MpsConfig {
-    /// Defaults for the state root `root`: binary from `PATH`'s usual place,
-    /// `/sys/fs/cgroup`, automatic protocol, 10 s waits.
+    /// Defaults for a plugin state directory: MPS root `<state_root>/mps`,
+    /// `/usr/bin/nvidia-cuda-mps-control`, `/sys/fs/cgroup`, automatic
+    /// protocol, 10 s waits.
     #[must_use]
     pub fn new(state_root: impl Into<PathBuf>) -> Self {
         Self {
             control_binary: PathBuf::from("/usr/bin/nvidia-cuda-mps-control"),
-            state_root: state_root.into(),
+            root: state_root.into().join("mps"),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             protocol: ProtocolChoice::Auto,
             timeout: Duration::from_secs(10),
         }
     }
 
-    /// `<state_root>/mps`.
+    /// The MPS root ([`MpsConfig::root`]).
     #[must_use]
     pub fn mps_root(&self) -> PathBuf {
-        self.state_root.join("mps")
+        self.root.clone()
     }
 }
 
@@ -196,8 +200,13 @@ fn probe_v3(cfg: &MpsConfig) -> Result<bool, MpsError> {
             d.stop(&id)?;
             true
         }
+        // The binary ran and refused `-p 3`: a v2-only driver. Anything else
+        // (it could not be run, timed out) is an error, not a protocol answer.
         Err(MpsError::StartFailed { .. }) => false,
-        Err(e) => return Err(e),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
     };
     std::fs::remove_dir_all(&dir).map_err(io("remove", &dir))?;
     Ok(ok)

@@ -16,12 +16,15 @@
 //! records what it gets, and crashes on request.
 
 pub mod cdi;
+pub mod cgroup;
 pub mod control;
 pub mod detect;
 pub mod error;
+pub mod fake;
 mod proc;
 
 pub use cdi::{CONTAINER_PIPE_DIR, Mount, ShareEdits, share_cdi_name};
+pub use cgroup::pod_cgroup;
 pub use control::{ClientSpec, DaemonIdentity, Ensure, MpsControl, MpsTarget, PID_FILE, Protocol};
 pub use detect::{MpsConfig, ProtocolChoice, Support, detect, detect_cgroup};
 pub use error::MpsError;

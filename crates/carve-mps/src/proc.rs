@@ -58,7 +58,20 @@ pub(crate) fn run(mut cmd: Command, stdin: &str, timeout: Duration) -> Result<Ou
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
+    // ETXTBSY: the binary was just written and another thread's fork still
+    // holds it open for writing (tests write wrapper scripts); it clears at
+    // that child's exec, so retry briefly.
+    let mut tries = 0;
+    let mut child = loop {
+        match cmd.spawn() {
+            Ok(c) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 20 => {
+                tries += 1;
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(format!("spawn: {e}")),
+        }
+    };
     if let Some(mut w) = child.stdin.take() {
         // A command that exits without reading gives EPIPE; its status says more.
         let _ = w.write_all(stdin.as_bytes());

@@ -48,6 +48,22 @@ pub struct ContainerEdits {
     /// Device nodes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub device_nodes: Vec<DeviceNode>,
+    /// Bind mounts (an MPS share's pipe directory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
+}
+
+/// A mount.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Mount {
+    /// Path on the host.
+    pub host_path: String,
+    /// Path in the container.
+    pub container_path: String,
+    /// Mount options (`rbind`, `ro`, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub options: Vec<String>,
 }
 
 /// A device node.
@@ -136,7 +152,21 @@ pub(crate) fn edits(
         format!("CUDA_VISIBLE_DEVICES={uuid}"),
     ];
     env.extend(extra_env);
-    ContainerEdits { env, device_nodes }
+    ContainerEdits {
+        env,
+        device_nodes,
+        mounts: Vec::new(),
+    }
+}
+
+/// Add an MPS share's variables and pipe-directory mount to a device's edits.
+pub(crate) fn add_share(e: &mut ContainerEdits, share: &carve_mps::ShareEdits) {
+    e.env.extend(share.env.iter().cloned());
+    e.mounts.extend(share.mounts.iter().map(|m| Mount {
+        host_path: m.host_path.display().to_string(),
+        container_path: m.container_path.clone(),
+        options: m.options.clone(),
+    }));
 }
 
 impl CdiSpec {

@@ -40,6 +40,10 @@ pub struct CheckpointBody {
     /// Claims by UID.
     #[serde(default)]
     pub claims: BTreeMap<String, ClaimRecord>,
+    /// UUIDs of GPUs the plugin switched to `EXCLUSIVE_PROCESS` compute mode
+    /// for an MPS daemon (set back to `DEFAULT` when the daemon stops).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub compute_mode_set_by_plugin: BTreeSet<String>,
 }
 
 /// Where a claim is in its life.
@@ -129,7 +133,49 @@ pub enum PreparedKind {
         /// Capability device minors (GI, CI), once known.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         cap_minors: Vec<u32>,
+        /// For a MIG-MPS share: the share. The instance is shared by every
+        /// claim with a share of the same device: created by the first
+        /// prepare, destroyed by the last unprepare.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mps: Option<MpsShare>,
     },
+    /// An MPS share of the whole GPU (`gpu-<i>-mps`).
+    Mps {
+        /// The share.
+        share: MpsShare,
+    },
+}
+
+impl PreparedKind {
+    /// The MPS share of this device, if it is one.
+    #[must_use]
+    pub fn mps(&self) -> Option<&MpsShare> {
+        match self {
+            Self::Mps { share }
+            | Self::Mig {
+                mps: Some(share), ..
+            } => Some(share),
+            _ => None,
+        }
+    }
+}
+
+/// One claim's share of an MPS control daemon (whole GPU or MIG instance).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MpsShare {
+    /// The shared unit: the MPS device name (`gpu-0-mps`,
+    /// `gpu-0-mig-1g10gb-3-mps`), which names its daemon directory.
+    pub unit: String,
+    /// The limits granted (from `consumedCapacity`).
+    pub limits: carve_model::sharing::MpsLimits,
+    /// The pod cgroup the share is bound to (MPS v3), relative to the cgroup root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<PathBuf>,
+    /// What the container gets (pipe directory mount, variables), once the
+    /// daemon accepted the share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edits: Option<carve_mps::ShareEdits>,
 }
 
 /// A checkpoint that cannot be used.
@@ -174,13 +220,45 @@ pub enum CheckpointError {
     },
 }
 
+/// The canonical bytes of a body: serde_json writes struct fields in
+/// declaration order and BTreeMap keys sorted, so this compact serialization
+/// is canonical for a body value.
+fn canonical(body: &CheckpointBody) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::to_vec(body)
+}
+
+/// `sha256:<hex>` of canonical body bytes.
+fn checksum_of(canonical: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let digest = Sha256::digest(canonical);
+    let mut s = String::with_capacity(7 + 64);
+    s.push_str("sha256:");
+    for b in digest {
+        s.push(char::from(HEX[usize::from(b >> 4)]));
+        s.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    s
+}
+
 fn checksum(body: &CheckpointBody) -> String {
-    // serde_json writes struct fields in declaration order and BTreeMap keys
-    // sorted, so this serialization is canonical for a body value.
-    let bytes = serde_json::to_vec(body).unwrap_or_default();
-    let digest = Sha256::digest(&bytes);
-    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-    format!("sha256:{hex}")
+    checksum_of(&canonical(body).unwrap_or_default())
+}
+
+/// The file's bytes: `{"apiVersion":…,"checksum":…,"body":…}` (the field
+/// order of [`Checkpoint`]) with the body written as its canonical bytes, so
+/// the body is serialized once and hashed from the same bytes.
+fn encode(body: &CheckpointBody) -> Result<Vec<u8>, serde_json::Error> {
+    let body = canonical(body)?;
+    let sum = checksum_of(&body);
+    let mut out = Vec::with_capacity(body.len() + CHECKPOINT_API_VERSION.len() + sum.len() + 48);
+    out.extend_from_slice(b"{\"apiVersion\":");
+    serde_json::to_writer(&mut out, CHECKPOINT_API_VERSION)?;
+    out.extend_from_slice(b",\"checksum\":");
+    serde_json::to_writer(&mut out, &sum)?;
+    out.extend_from_slice(b",\"body\":");
+    out.extend_from_slice(&body);
+    out.extend_from_slice(b"}\n");
+    Ok(out)
 }
 
 impl Checkpoint {
@@ -213,19 +291,30 @@ impl Checkpoint {
             path: path.into(),
             reason: e.to_string(),
         };
-        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(malformed)?;
-        let api_version = v
-            .get("apiVersion")
-            .and_then(|a| a.as_str())
-            .unwrap_or_default()
-            .to_string();
-        if api_version != CHECKPOINT_API_VERSION {
-            return Err(CheckpointError::UnknownVersion {
-                path: path.into(),
-                api_version,
-            });
+        let unknown = |api_version: String| CheckpointError::UnknownVersion {
+            path: path.into(),
+            api_version,
+        };
+        // The common case in one typed pass; a document that does not fit
+        // the type is parsed again untyped only to name what is wrong (an
+        // unknown apiVersion before a shape error).
+        let c: Self = match serde_json::from_slice(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(malformed)?;
+                let api_version = v
+                    .get("apiVersion")
+                    .and_then(|a| a.as_str())
+                    .unwrap_or_default();
+                if api_version != CHECKPOINT_API_VERSION {
+                    return Err(unknown(api_version.to_string()));
+                }
+                return Err(malformed(e));
+            }
+        };
+        if c.api_version != CHECKPOINT_API_VERSION {
+            return Err(unknown(c.api_version));
         }
-        let c: Self = serde_json::from_value(v).map_err(malformed)?;
         let computed = checksum(&c.body);
         if computed != c.checksum {
             return Err(CheckpointError::Checksum {
@@ -237,7 +326,8 @@ impl Checkpoint {
         Ok(Some(c))
     }
 
-    /// Write atomically (temp file, fsync, rename; see `fsutil`).
+    /// Write atomically (temp file, fsync, rename; see `fsutil`): compact
+    /// JSON, the body serialized once and hashed from those bytes.
     ///
     /// # Errors
     /// I/O; the previous checkpoint is then unchanged.
@@ -246,8 +336,7 @@ impl Checkpoint {
         path: &Path,
         fault: Option<WriteFault>,
     ) -> Result<(), CheckpointError> {
-        let c = Self::new(body.clone());
-        let bytes = serde_json::to_vec_pretty(&c).map_err(|e| CheckpointError::Malformed {
+        let bytes = encode(body).map_err(|e| CheckpointError::Malformed {
             path: path.into(),
             reason: e.to_string(),
         })?;
@@ -257,6 +346,16 @@ impl Checkpoint {
                 source,
             }
         })
+    }
+}
+
+impl Checkpoint {
+    /// Checkpoint fsyncs done in this process so far and the time spent in
+    /// them: the disk's share of prepare and unprepare, which `carve bench
+    /// prepare` reports next to the overhead.
+    #[must_use]
+    pub fn sync_totals() -> (u64, std::time::Duration) {
+        crate::fsutil::sync_totals()
     }
 }
 
@@ -308,6 +407,7 @@ mod tests {
                             ci: Some(0),
                             mig_uuid: Some("MIG-x".into()),
                             cap_minors: vec![100, 101],
+                            mps: None,
                         },
                         capabilities_env: None,
                     },
@@ -347,6 +447,43 @@ mod tests {
             v["body"]["claims"]["u1"]["devices"][0]["kind"]["placement"]["start"],
             3
         );
+    }
+
+    #[test]
+    fn file_is_compact_and_its_checksum_covers_the_canonical_body() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("checkpoint.json");
+        let (syncs, _) = Checkpoint::sync_totals();
+        Checkpoint::store(&sample(), &p, None).unwrap();
+        assert!(Checkpoint::sync_totals().0 > syncs);
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys.len(), 3);
+        assert_eq!(v["apiVersion"], CHECKPOINT_API_VERSION);
+        // The same checksum as Checkpoint::new computes for the body.
+        assert_eq!(v["checksum"], Checkpoint::new(sample()).checksum.as_str());
+        assert!(text.contains(&String::from_utf8(canonical(&sample()).unwrap()).unwrap()));
+    }
+
+    #[test]
+    fn pretty_files_of_earlier_versions_still_load() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("checkpoint.json");
+        let doc = serde_json::to_vec_pretty(&Checkpoint::new(sample())).unwrap();
+        std::fs::write(&p, doc).unwrap();
+        assert_eq!(Checkpoint::load(&p).unwrap().unwrap().body, sample());
+        // A shape error under the known version is reported as malformed.
+        std::fs::write(
+            &p,
+            format!(r#"{{"apiVersion":"{CHECKPOINT_API_VERSION}","checksum":"x","body":{{"claims":7}}}}"#),
+        )
+        .unwrap();
+        assert!(matches!(
+            Checkpoint::load(&p),
+            Err(CheckpointError::Malformed { .. })
+        ));
     }
 
     #[test]

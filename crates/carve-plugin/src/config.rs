@@ -109,6 +109,18 @@ pub struct PluginConfig {
     /// reasons, NVML call latencies, GI/CI counts per GPU (label: GPU UUID)
     /// and checkpoint writes. `None`: nothing is recorded.
     pub metrics: Option<std::sync::Arc<carve_metrics::Metrics>>,
+    /// MPS sharing: how to run control daemons and what this node enforces
+    /// (detected once at start). `None`: MPS devices are refused at prepare.
+    pub mps: Option<MpsSetup>,
+}
+
+/// MPS on this node.
+#[derive(Clone, Debug)]
+pub struct MpsSetup {
+    /// Control binary, state root, cgroup root, protocol choice, timeouts.
+    pub config: carve_mps::MpsConfig,
+    /// What [`carve_mps::detect`] found.
+    pub support: carve_mps::Support,
 }
 
 impl PluginConfig {
@@ -136,6 +148,7 @@ impl PluginConfig {
             unprepare_retry: Retry::default(),
             write_fault: None,
             metrics: None,
+            mps: None,
         }
     }
 
@@ -204,6 +217,21 @@ pub struct MigConfig {
     pub driver_capabilities: Option<Vec<DriverCapability>>,
 }
 
+/// Configuration of MPS shares (`kind: MpsConfig`): the enforcement a share
+/// needs. A node that enforces less refuses the share at prepare, so a claim
+/// that must not run with client-side limits never does, even if its
+/// selectors did not ask for the `mpsMemoryLimit`/`mpsComputeLimit` attributes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MpsConfig {
+    /// Required memory enforcement: `hard` or `client`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit: Option<carve_model::sharing::MemoryLimit>,
+    /// Required compute enforcement: `partition`, `percentage` or `client`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_limit: Option<carve_model::sharing::ComputeLimit>,
+}
+
 /// One parsed opaque configuration object.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum OpaqueConfig {
@@ -211,6 +239,8 @@ pub enum OpaqueConfig {
     Gpu(GpuConfig),
     /// For MIG devices.
     Mig(MigConfig),
+    /// For MPS shares.
+    Mps(MpsConfig),
 }
 
 #[derive(Deserialize)]
@@ -247,7 +277,7 @@ pub enum ConfigError {
     },
     /// `kind` is not one carve knows.
     #[error(
-        "opaque config #{index} ({source_kind}): unknown kind {kind:?} (expected GpuConfig or MigConfig)"
+        "opaque config #{index} ({source_kind}): unknown kind {kind:?} (expected GpuConfig, MigConfig or MpsConfig)"
     )]
     UnknownKind {
         /// Position.
@@ -351,6 +381,7 @@ pub(crate) fn parse_configs(
         let config = match kind.as_str() {
             "GpuConfig" => OpaqueConfig::Gpu(serde_json::from_value(fields).map_err(invalid)?),
             "MigConfig" => OpaqueConfig::Mig(serde_json::from_value(fields).map_err(invalid)?),
+            "MpsConfig" => OpaqueConfig::Mps(serde_json::from_value(fields).map_err(invalid)?),
             _ => {
                 return Err(ConfigError::UnknownKind {
                     index,
@@ -391,6 +422,8 @@ pub(crate) fn effective_capabilities(
         let (kind, c) = match &a.config {
             OpaqueConfig::Gpu(g) => ("GpuConfig", &g.driver_capabilities),
             OpaqueConfig::Mig(m) => ("MigConfig", &m.driver_capabilities),
+            // Checked by `effective_mps`; says nothing about capabilities.
+            OpaqueConfig::Mps(_) => continue,
         };
         let fits = (kind == "MigConfig") == is_mig;
         if !fits {
@@ -417,6 +450,48 @@ pub(crate) fn effective_capabilities(
         }
     }
     Ok(caps)
+}
+
+/// The MPS requirements that apply to one device (later configs win per
+/// field), or an `MpsConfig` naming a request whose device is not an MPS share.
+pub(crate) fn effective_mps(
+    configs: &[Applicable],
+    request: &str,
+    device: &str,
+    is_share: bool,
+) -> Result<MpsConfig, ConfigError> {
+    let parent = request.split('/').next().unwrap_or(request);
+    let mut out = MpsConfig::default();
+    for a in configs {
+        let OpaqueConfig::Mps(m) = &a.config else {
+            continue;
+        };
+        let applies =
+            a.requests.is_empty() || a.requests.iter().any(|r| r == request || r == parent);
+        if !applies {
+            continue;
+        }
+        if !is_share {
+            if a.requests.is_empty() {
+                continue;
+            }
+            return Err(ConfigError::WrongDeviceKind {
+                index: a.index,
+                source_kind: a.source_kind.clone(),
+                kind: "MpsConfig",
+                request: request.to_string(),
+                device: device.to_string(),
+                device_kind: "not an MPS share",
+            });
+        }
+        if m.memory_limit.is_some() {
+            out.memory_limit = m.memory_limit;
+        }
+        if m.compute_limit.is_some() {
+            out.compute_limit = m.compute_limit;
+        }
+    }
+    Ok(out)
 }
 
 /// `NVIDIA_DRIVER_CAPABILITIES` value.
@@ -448,6 +523,51 @@ mod tests {
                 parameters: RawExtension(v),
             }),
         }
+    }
+
+    #[test]
+    fn mps_config_applies_to_shares_only() {
+        let a = parse_configs(
+            "gpu.carve.dev",
+            &[
+                cfg("FromClass", "gpu.carve.dev", &[], serde_json::json!({"apiVersion": OPAQUE_API_VERSION, "kind": "MpsConfig", "computeLimit": "client"})),
+                cfg("FromClaim", "gpu.carve.dev", &["s"], serde_json::json!({"apiVersion": OPAQUE_API_VERSION, "kind": "MpsConfig", "memoryLimit": "hard"})),
+            ],
+        )
+        .unwrap();
+        let m = effective_mps(&a, "s", "gpu-0-mps", true).unwrap();
+        assert_eq!(
+            m.memory_limit,
+            Some(carve_model::sharing::MemoryLimit::Hard)
+        );
+        assert_eq!(
+            m.compute_limit,
+            Some(carve_model::sharing::ComputeLimit::Client)
+        );
+        // The class-wide one is simply not for an exclusive device; the named one is an error.
+        assert_eq!(
+            effective_mps(&a, "x", "gpu-0", false).unwrap(),
+            MpsConfig::default()
+        );
+        let e = effective_mps(&a, "s", "gpu-0", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("MpsConfig") && e.contains("not an MPS share"),
+            "{e}"
+        );
+        // Capabilities ignore it.
+        assert_eq!(
+            effective_capabilities(&a, "s", "gpu-0-mps", false).unwrap(),
+            None
+        );
+        let bad = parse_configs(
+            "gpu.carve.dev",
+            &[cfg("FromClaim", "gpu.carve.dev", &[], serde_json::json!({"apiVersion": OPAQUE_API_VERSION, "kind": "MpsConfig", "memoryLimit": "strict"}))],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(bad.contains("MpsConfig") && bad.contains("strict"), "{bad}");
     }
 
     fn mig(caps: &[&str]) -> serde_json::Value {

@@ -11,19 +11,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use carve_gpu::{BackendError, Disposition, GpuBackend, GpuInfo, GpuInstanceInfo};
+use carve_model::sharing::{MpsDeviceSpec, translate};
 use carve_model::{DeviceName, MigProfile, NameError, Placement};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 
 use crate::cdi::{self, CdiDevice, CdiError, CdiSpec};
 use crate::checkpoint::{
-    Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState, DeviceRecord,
+    Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, MpsShare,
     PreparedKind, move_aside,
 };
 use crate::claim::{ClaimRef, InvalidClaim, PreparedDevice};
 use crate::config::{
-    ConfigError, GpuPolicy, PluginConfig, Retry, capabilities_env, effective_capabilities,
-    parse_configs,
+    ConfigError, GpuPolicy, MpsSetup, PluginConfig, Retry, capabilities_env,
+    effective_capabilities, effective_mps, parse_configs,
 };
 use crate::error::PluginError;
 
@@ -66,13 +67,51 @@ pub enum ClaimError {
     /// A device name is not one of carve's.
     #[error(transparent)]
     BadDeviceName(#[from] NameError),
-    /// A device kind this plugin does not prepare (MPS).
-    #[error("device {device}: {kind} devices are not supported by this plugin")]
-    Unsupported {
+    /// An MPS device on a node where the plugin runs without MPS.
+    #[error(
+        "device {device}: MPS is not enabled on this node (the plugin runs without --sharing mps/mig-mps and --mps-control)"
+    )]
+    MpsDisabled {
         /// Device.
         device: String,
-        /// Kind.
-        kind: &'static str,
+    },
+    /// A shareable device's allocation lacks what a share needs.
+    #[error("device {device}: {reason}")]
+    BadShare {
+        /// Device.
+        device: String,
+        /// What is missing or wrong.
+        reason: String,
+    },
+    /// The allocation's `consumedCapacity` cannot become MPS limits.
+    #[error("device {device}: {source}")]
+    Sharing {
+        /// Device.
+        device: String,
+        /// Why.
+        #[source]
+        source: Box<carve_model::sharing::SharingError>,
+    },
+    /// Hard MPS limits bind the share to a pod cgroup, and none was found.
+    #[error(
+        "device {device}: hard MPS limits bind the share to its pod's cgroup, and no cgroup under {root} belongs to the claim's reserved pods {pods:?}"
+    )]
+    NoPodCgroup {
+        /// Device.
+        device: String,
+        /// Pod UIDs from `status.reservedFor`.
+        pods: Vec<String>,
+        /// The cgroup root searched.
+        root: PathBuf,
+    },
+    /// The MPS control daemon refused or failed.
+    #[error("device {device}: {source}")]
+    Mps {
+        /// Device.
+        device: String,
+        /// Why.
+        #[source]
+        source: Box<carve_mps::MpsError>,
     },
     /// The device names a GPU index this node does not have.
     #[error("device {device}: this node has no GPU {gpu}")]
@@ -128,14 +167,14 @@ pub enum ClaimError {
         /// What occupies it.
         by: String,
     },
-    /// The GPU is prepared as a whole GPU for another claim.
-    #[error("device {device}: GPU {gpu} is held as a whole GPU by claim {by}")]
+    /// The GPU is in use by another claim in a way that excludes this device.
+    #[error("device {device}: GPU {gpu} is held {by}")]
     GpuHeld {
         /// Device.
         device: String,
         /// GPU index.
         gpu: u32,
-        /// The holder.
+        /// The holder and how it holds the GPU.
         by: String,
     },
     /// A whole GPU was asked for but MIG instances exist on it.
@@ -159,6 +198,16 @@ pub enum ClaimError {
         profile: String,
         /// Placement.
         placement: Placement,
+    },
+    /// A whole GPU was allocated on a GPU that is in MIG mode and cannot leave it.
+    #[error("device {device}: GPU {gpu} is in MIG mode and carve cannot turn it off: {why}")]
+    WholeInMigMode {
+        /// Device.
+        device: String,
+        /// GPU index.
+        gpu: u32,
+        /// Why not.
+        why: &'static str,
     },
     /// Enabling MIG mode needs a GPU reset first.
     #[error(
@@ -230,6 +279,13 @@ pub struct RecoveryReport {
     pub discarded_other_boot: bool,
     /// Where an unusable checkpoint was moved.
     pub moved_aside: Option<PathBuf>,
+    /// MPS units of kept claims and what their daemons needed (adopted
+    /// untouched, restarted with the limits re-applied, ...).
+    pub mps_units: Vec<(String, carve_mps::Ensure)>,
+    /// MPS daemons stopped because no kept claim uses them.
+    pub mps_stopped: Vec<String>,
+    /// Devices whose compute mode was set back to `DEFAULT`.
+    pub compute_mode_restored: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -242,7 +298,15 @@ struct Gpu {
     info: GpuInfo,
     profiles: Vec<MigProfile>,
     policy: GpuPolicy,
+    /// The GPU as the slice builder sees it (for MPS share ranges).
+    physical: carve_model::PhysicalGpu,
     rt: tokio::sync::Mutex<GpuRuntime>,
+}
+
+/// The cross-process checkpoint lock ([`Driver::host_lock`]): released on drop.
+struct HostLock {
+    _file: std::fs::File,
+    _local: tokio::sync::OwnedMutexGuard<()>,
 }
 
 /// The claim-preparing core, independent of gRPC.
@@ -253,6 +317,8 @@ pub struct Driver {
     gpus: BTreeMap<u32, Arc<Gpu>>,
     state: tokio::sync::Mutex<CheckpointBody>,
     claim_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Queue of this process's operations for the host lock.
+    host_mutex: Arc<tokio::sync::Mutex<()>>,
     boot_id: String,
 }
 
@@ -401,12 +467,23 @@ impl Driver {
             .map(|(info, profiles)| {
                 let policy = policies.get(&info.index).copied().unwrap_or(default);
                 let mig_current = info.mig_mode.is_some_and(|m| m.current);
+                let physical = carve_model::PhysicalGpu {
+                    index: info.index,
+                    minor: info.minor,
+                    uuid: info.uuid.clone(),
+                    pci_bus_id: Some(info.pci_bus_id.clone()),
+                    pcie_root: None,
+                    driver_version: carve_model::slices::semver_of(&info.driver_version)
+                        .unwrap_or_else(|| "0.0.0".into()),
+                    spec: info.spec(profiles.clone()),
+                };
                 (
                     info.index,
                     Arc::new(Gpu {
                         info,
                         profiles,
                         policy,
+                        physical,
                         rt: tokio::sync::Mutex::new(GpuRuntime { mig_current }),
                     }),
                 )
@@ -430,6 +507,7 @@ impl Driver {
                 ..Default::default()
             }),
             claim_locks: std::sync::Mutex::default(),
+            host_mutex: Arc::default(),
             boot_id,
         })
     }
@@ -540,14 +618,22 @@ impl Driver {
     /// operation holds an exclusive lock on `<checkpoint>.lock` and first
     /// reloads the checkpoint another pod may have written. Without one, the
     /// in-memory state is authoritative and no file lock is taken.
-    async fn host_lock(&self) -> std::io::Result<Option<std::fs::File>> {
+    ///
+    /// This process's operations queue on an async mutex first, so at most one
+    /// blocking thread ever waits in `flock` (the others wait as tasks): with
+    /// the blocking pool bounded, claims that all waited in `flock` would leave
+    /// the lock holder no thread for its NVML and file work, and nothing would
+    /// move.
+    async fn host_lock(&self) -> std::io::Result<Option<HostLock>> {
         if self.config.pod_uid.is_none() {
             return Ok(None);
         }
+        let local = self.host_mutex.clone().lock_owned().await;
         let mut name = self.config.checkpoint_path.as_os_str().to_owned();
         name.push(".lock");
         let path = PathBuf::from(name);
-        let file = blocking(move || -> std::io::Result<std::fs::File> {
+        let cp = self.config.checkpoint_path.clone();
+        let (file, loaded) = blocking(move || -> std::io::Result<_> {
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir)?;
             }
@@ -557,26 +643,35 @@ impl Driver {
                 .write(true)
                 .open(&path)?;
             f.lock()?;
-            Ok(f)
+            Ok((f, Checkpoint::load(&cp)))
         })
         .await
         .map_err(std::io::Error::other)??;
-        match Checkpoint::load(&self.config.checkpoint_path) {
+        match loaded {
             Ok(Some(c)) => {
                 let mut st = self.state.lock().await;
-                if st.claims != c.body.claims
-                    || st.mig_enabled_by_plugin != c.body.mig_enabled_by_plugin
-                {
-                    st.claims = c.body.claims;
-                    st.mig_enabled_by_plugin = c.body.mig_enabled_by_plugin;
-                }
+                let boot_id = std::mem::take(&mut st.boot_id);
+                *st = CheckpointBody { boot_id, ..c.body };
             }
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "reloading checkpoint under the host lock failed; keeping in-memory state")
             }
         }
-        Ok(Some(file))
+        Ok(Some(HostLock {
+            _file: file,
+            _local: local,
+        }))
+    }
+
+    /// The CDI device name of a prepared device: `<claim>-<device>`, and for an
+    /// MPS share `<claim>-<device>-<shareID>` (one per share, since each share
+    /// has its own limits).
+    fn cdi_name(rec_uid: &str, d: &DeviceRecord) -> Result<String, CdiError> {
+        match (d.kind.mps(), &d.share_id) {
+            (Some(_), Some(s)) => cdi::device_name(rec_uid, &format!("{}-{s}", d.device)),
+            _ => cdi::device_name(rec_uid, &d.device),
+        }
     }
 
     fn prepared_devices(rec: &ClaimRecord) -> Vec<PreparedDevice> {
@@ -586,7 +681,7 @@ impl Driver {
                 request_names: d.requests.clone(),
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
-                cdi_device_ids: cdi::device_name(&rec.uid, &d.device)
+                cdi_device_ids: Self::cdi_name(&rec.uid, d)
                     .map(|n| vec![cdi::qualified(&n)])
                     .unwrap_or_default(),
                 share_id: d.share_id.clone(),
@@ -598,23 +693,81 @@ impl Driver {
         let mut devs = Vec::new();
         let mut seen = BTreeSet::new();
         for d in &rec.devices {
-            if !seen.insert(d.device.clone()) {
+            let name = Self::cdi_name(&rec.uid, d)?;
+            if !seen.insert(name.clone()) {
                 continue;
             }
             let (uuid, caps) = match &d.kind {
-                PreparedKind::Gpu | PreparedKind::TimeSlice => (d.gpu_uuid.clone(), Vec::new()),
+                PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => {
+                    (d.gpu_uuid.clone(), Vec::new())
+                }
                 PreparedKind::Mig {
                     mig_uuid,
                     cap_minors,
                     ..
                 } => (mig_uuid.clone().unwrap_or_default(), cap_minors.clone()),
             };
+            let mut container_edits =
+                cdi::edits(&uuid, d.gpu_minor, &caps, d.capabilities_env.clone());
+            if let Some(e) = d.kind.mps().and_then(|s| s.edits.as_ref()) {
+                cdi::add_share(&mut container_edits, e);
+            }
             devs.push(CdiDevice {
-                name: cdi::device_name(&rec.uid, &d.device)?,
-                container_edits: cdi::edits(&uuid, d.gpu_minor, &caps, d.capabilities_env.clone()),
+                name,
+                container_edits,
             });
         }
         Ok(CdiSpec::new(devs))
+    }
+
+    /// PCI bus ids by GPU index.
+    fn pci_map(&self) -> BTreeMap<u32, String> {
+        self.gpus
+            .iter()
+            .map(|(i, g)| (*i, g.info.pci_bus_id.clone()))
+            .collect()
+    }
+
+    /// MIG-MPS units that claims other than `except` hold, with one of their
+    /// device records (which knows the instance).
+    fn shared_units(st: &CheckpointBody, except: &str) -> BTreeMap<String, DeviceRecord> {
+        let mut out = BTreeMap::new();
+        for c in st.claims.values().filter(|c| c.uid != except) {
+            for d in &c.devices {
+                if let PreparedKind::Mig { mps: Some(s), .. } = &d.kind {
+                    out.entry(s.unit.clone()).or_insert_with(|| d.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// The `carve_mps_daemons` gauge: units with at least one prepared share.
+    fn record_mps(&self, st: &CheckpointBody) {
+        if let Some(m) = &self.config.metrics {
+            let units: BTreeSet<&str> = st
+                .claims
+                .values()
+                .flat_map(|c| c.devices.iter())
+                .filter_map(|d| d.kind.mps().map(|s| s.unit.as_str()))
+                .collect();
+            m.set_mps_daemons(units.len() as u64);
+        }
+    }
+
+    /// The setup for a record's MPS shares; an error when the plugin runs without MPS.
+    fn mps_setup(&self, devices: &[DeviceRecord]) -> Result<Option<MpsSetup>, ClaimError> {
+        match devices.iter().find(|d| d.kind.mps().is_some()) {
+            None => Ok(None),
+            Some(d) => self
+                .config
+                .mps
+                .clone()
+                .map(Some)
+                .ok_or_else(|| ClaimError::MpsDisabled {
+                    device: d.device.clone(),
+                }),
+        }
     }
 
     /// Prepare claims concurrently; every claim gets a result.
@@ -711,7 +864,20 @@ impl Driver {
             });
         }
         let planned = self.plan(&rc)?;
-        let result = self.execute(claim, planned).await;
+        let pods: Vec<String> = rc
+            .status
+            .as_ref()
+            .and_then(|s| s.reserved_for.as_ref())
+            .map(|v| {
+                v.iter()
+                    .filter(|r| {
+                        r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty()
+                    })
+                    .map(|r| r.uid.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let result = self.execute(claim, planned, &pods).await;
         if let Ok(devs) = &result {
             self.write_status(&api, &rc, claim).await;
             tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
@@ -729,6 +895,7 @@ impl Driver {
         &self,
         claim: &ClaimRef,
         planned: Vec<Planned>,
+        pods: &[String],
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let gpu_ids: BTreeSet<u32> = planned.iter().map(|p| p.record.gpu_index).collect();
         let mut guards = Vec::new();
@@ -743,6 +910,24 @@ impl Driver {
             .copied()
             .filter(|g| self.gpus[g].info.mig_capable)
             .collect();
+        let mps_gpus: Vec<u32> = planned
+            .iter()
+            .filter(|p| matches!(p.record.kind, PreparedKind::Mps { .. }))
+            .map(|p| p.record.gpu_index)
+            .collect();
+        let b2 = self.backend.clone();
+        let modes: BTreeMap<u32, carve_gpu::ComputeMode> = blocking(move || {
+            mps_gpus
+                .into_iter()
+                .map(|g| {
+                    b2.compute_mode(carve_gpu::ComputeTarget::Gpu(g))
+                        .map(|m| (g, m))
+                        .map_err(backend_err(format!("read compute mode of GPU {g}")))
+                })
+                .collect::<Result<_, ClaimError>>()
+        })
+        .await
+        .map_err(ClaimError::Task)??;
         let snap: BTreeMap<u32, (Vec<GpuInstanceInfo>, bool)> = blocking(move || {
             ids.into_iter()
                 .map(|g| {
@@ -767,9 +952,26 @@ impl Driver {
             snap.into_iter().map(|(g, (v, _))| (g, v)).collect();
 
         let mut enable_mig: Vec<u32> = Vec::new();
+        let mut disable_mig: Vec<u32> = Vec::new();
+        let shared;
         {
             let mut st = self.state.lock().await;
             self.check_occupancy(claim, &planned, &live, &st, &guards)?;
+            shared = Self::shared_units(&st, &claim.uid);
+            // A whole GPU whose first MPS share this is goes to EXCLUSIVE_PROCESS:
+            // note it before touching it, so a crash in between still restores it.
+            for (g, m) in &modes {
+                let held = st.claims.values().any(|c| {
+                    c.uid != claim.uid
+                        && c.devices.iter().any(|d| {
+                            d.gpu_index == *g && matches!(d.kind, PreparedKind::Mps { .. })
+                        })
+                });
+                if !held && *m != carve_gpu::ComputeMode::ExclusiveProcess {
+                    st.compute_mode_set_by_plugin
+                        .insert(self.gpus[g].info.uuid.clone());
+                }
+            }
             for (g, rt) in &guards {
                 let gpu = &self.gpus[g];
                 let wants_mig = planned.iter().any(|p| {
@@ -805,6 +1007,37 @@ impl Driver {
                     enable_mig.push(*g);
                     st.mig_enabled_by_plugin.insert(gpu.info.uuid.clone());
                 }
+                // A whole GPU (exclusive or shared) runs CUDA work only with
+                // MIG mode off: turn it off where that needs no reset (no
+                // instance exists: checked above); the next MIG claim turns it
+                // on again.
+                let whole = planned.iter().find(|p| {
+                    p.record.gpu_index == *g
+                        && matches!(
+                            p.record.kind,
+                            PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. }
+                        )
+                });
+                if let Some(w) = whole
+                    && rt.mig_current
+                {
+                    let why = if gpu.policy == GpuPolicy::Static {
+                        Some("its MIG policy is static")
+                    } else if gpu.info.architecture.mig_mode_needs_reset() {
+                        Some("leaving MIG mode needs a GPU reset on this architecture")
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        return Err(ClaimError::WholeInMigMode {
+                            device: w.record.device.clone(),
+                            gpu: *g,
+                            why,
+                        });
+                    }
+                    disable_mig.push(*g);
+                    st.mig_enabled_by_plugin.remove(&gpu.info.uuid);
+                }
             }
             st.claims.insert(
                 claim.uid.clone(),
@@ -828,20 +1061,30 @@ impl Driver {
         let retry = self.config.unprepare_retry;
         let mut records: Vec<DeviceRecord> = planned.into_iter().map(|p| p.record).collect();
         let live2 = live.clone();
+        let shared2 = shared.clone();
         let hw = blocking(move || {
-            let r = make_devices(&*b, retry, &enable_mig, &mut records, &live2);
+            let r = make_devices(
+                &*b,
+                retry,
+                (&enable_mig, &disable_mig),
+                &mut records,
+                &live2,
+                &shared2,
+            );
             (r, records)
         })
         .await;
+        let keep: BTreeSet<String> = shared.keys().cloned().collect();
         let (hw, records) = match hw {
             Ok(x) => x,
             Err(e) => return Err(ClaimError::Task(e)),
         };
-        let mig_now: Vec<u32> = match hw {
-            Ok(enabled) => enabled,
+        let (mig_now, mig_off): (Vec<u32>, Vec<u32>) = match hw {
+            Ok(x) => x,
             Err(e) => {
                 let mut st = self.state.lock().await;
                 st.claims.remove(&claim.uid);
+                prune_compute_modes(&mut st);
                 if let Err(pe) = self.persist(&st).await {
                     tracing::error!(claim.uid = %claim.uid, error = %pe, "checkpoint after rollback");
                 }
@@ -852,7 +1095,43 @@ impl Driver {
             if mig_now.contains(g) {
                 rt.mig_current = true;
             }
+            if mig_off.contains(g) {
+                rt.mig_current = false;
+            }
         }
+
+        // MPS: attach the shares to their daemons (starting them as needed).
+        let mut compute_set = Vec::new();
+        let records = match self.mps_setup(&records) {
+            Ok(None) => records,
+            Ok(Some(setup)) => {
+                let b = self.backend.clone();
+                let uid = claim.uid.clone();
+                let pods = pods.to_vec();
+                let pci = self.pci_map();
+                let mut recs = records;
+                let r = blocking(move || {
+                    let r = crate::mps::attach(&setup, &*b, &uid, &mut recs, &pods, &pci);
+                    (r, recs)
+                })
+                .await;
+                match r {
+                    Ok((Ok(a), recs)) => {
+                        compute_set = a.compute_mode_set;
+                        recs
+                    }
+                    Ok((Err(e), recs)) => {
+                        self.undo_prepare(claim, recs, &keep).await;
+                        return Err(e);
+                    }
+                    Err(e) => return Err(ClaimError::Task(e)),
+                }
+            }
+            Err(e) => {
+                self.undo_prepare(claim, records, &keep).await;
+                return Err(e);
+            }
+        };
 
         // CDI, then PrepareCompleted.
         let mut rec = ClaimRecord {
@@ -872,6 +1151,8 @@ impl Driver {
                 .map_err(ClaimError::Task)??;
             let mut st = self.state.lock().await;
             let prev = st.claims.insert(claim.uid.clone(), rec.clone());
+            st.compute_mode_set_by_plugin
+                .extend(compute_set.iter().cloned());
             if let Err(e) = self.persist(&st).await {
                 if let Some(p) = prev {
                     st.claims.insert(claim.uid.clone(), p);
@@ -881,21 +1162,58 @@ impl Driver {
             Ok::<_, ClaimError>(())
         };
         if let Err(e) = finish.await {
-            // Undo the hardware and the spec; keep the claim unprepared.
-            let b = self.backend.clone();
-            let devs = rec.devices.clone();
-            let _ = blocking(move || destroy_devices(&*b, retry, &devs)).await;
+            // Undo the shares, the hardware and the spec; keep the claim unprepared.
             if let Some(p) = rec.cdi_spec.take() {
                 let _ = cdi::remove(&p);
             }
-            let mut st = self.state.lock().await;
-            st.claims.remove(&claim.uid);
-            let _ = self.persist(&st).await;
+            self.undo_prepare(claim, rec.devices.clone(), &keep).await;
             return Err(e);
         }
         drop(guards);
+        self.record_mps(&*self.state.lock().await);
         self.record_instances(gpu_ids).await;
         Ok(Self::prepared_devices(&rec))
+    }
+
+    /// Roll back a prepare after the hardware step: detach MPS shares, destroy
+    /// the instances this claim made (not those shared with other claims'
+    /// MPS shares in `keep`), forget the claim. Errors are logged: the
+    /// original error is what the kubelet sees, and recovery sweeps leftovers.
+    async fn undo_prepare(
+        &self,
+        claim: &ClaimRef,
+        devs: Vec<DeviceRecord>,
+        keep: &BTreeSet<String>,
+    ) {
+        let b = self.backend.clone();
+        let retry = self.config.unprepare_retry;
+        let setup = self.config.mps.clone();
+        let uid = claim.uid.clone();
+        let pci = self.pci_map();
+        let compute_set = self.state.lock().await.compute_mode_set_by_plugin.clone();
+        let keep = keep.clone();
+        let r = blocking(move || {
+            if let Some(setup) = &setup {
+                crate::mps::detach(setup, &*b, &uid, &devs, &compute_set, &pci)?;
+            }
+            destroy_devices(&*b, retry, &devs, &keep)
+        })
+        .await;
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!(claim.uid = %claim.uid, error = %e, "rollback after a failed prepare")
+            }
+            Err(e) => {
+                tracing::error!(claim.uid = %claim.uid, error = %e, "rollback after a failed prepare")
+            }
+        }
+        let mut st = self.state.lock().await;
+        st.claims.remove(&claim.uid);
+        prune_compute_modes(&mut st);
+        if let Err(e) = self.persist(&st).await {
+            tracing::error!(claim.uid = %claim.uid, error = %e, "checkpoint after rollback");
+        }
     }
 
     fn check_occupancy(
@@ -906,65 +1224,45 @@ impl Driver {
         st: &CheckpointBody,
         _guards: &[(u32, tokio::sync::MutexGuard<'_, GpuRuntime>)],
     ) -> Result<(), ClaimError> {
-        let owner_of = |gpu: u32, placement: Placement| -> Option<&ClaimRecord> {
-            st.claims.values().find(|c| {
-                c.uid != claim.uid
-                    && c.devices.iter().any(|d| {
-                        d.gpu_index == gpu
-                            && matches!(&d.kind, PreparedKind::Mig { placement: p, .. } if p.overlaps(placement))
-                    })
-            })
-        };
-        let whole_holder = |gpu: u32| -> Option<&ClaimRecord> {
-            st.claims.values().find(|c| {
-                c.uid != claim.uid
-                    && c.devices
-                        .iter()
-                        .any(|d| d.gpu_index == gpu && d.kind == PreparedKind::Gpu)
-            })
-        };
         for p in planned {
             let d = &p.record;
             let g = d.gpu_index;
             let gpu = &self.gpus[&g];
             let instances = live.get(&g).map(Vec::as_slice).unwrap_or_default();
-            if let Some(h) = whole_holder(g) {
-                return Err(ClaimError::GpuHeld {
-                    device: d.device.clone(),
-                    gpu: g,
-                    by: format!("{}/{} ({})", h.namespace, h.name, h.uid),
-                });
-            }
-            let time_slicer = st.claims.values().find(|c| {
-                c.uid != claim.uid
-                    && c.devices
-                        .iter()
-                        .any(|x| x.gpu_index == g && x.kind == PreparedKind::TimeSlice)
-            });
-            match &d.kind {
-                PreparedKind::Gpu | PreparedKind::TimeSlice => {
-                    let shares = d.kind == PreparedKind::TimeSlice;
-                    if let Some(o) = st.claims.values().find(|c| {
-                        c.uid != claim.uid
-                            && c.devices.iter().any(|x| {
-                                x.gpu_index == g && !(shares && x.kind == PreparedKind::TimeSlice)
-                            })
-                    }) {
-                        let how = if o
-                            .devices
-                            .iter()
-                            .any(|x| x.gpu_index == g && x.kind == PreparedKind::TimeSlice)
-                        {
-                            "as a time-sliced GPU"
-                        } else {
-                            "using its MIG devices"
-                        };
-                        return Err(ClaimError::GpuHeld {
+            // Other claims' devices on this GPU.
+            for o in st.claims.values().filter(|c| c.uid != claim.uid) {
+                let Some(x) = o
+                    .devices
+                    .iter()
+                    .find(|x| x.gpu_index == g && conflicts(&d.kind, &x.kind))
+                else {
+                    continue;
+                };
+                let who = format!("{}/{} ({})", o.namespace, o.name, o.uid);
+                return Err(match (&d.kind, &x.kind) {
+                    (PreparedKind::Mig { placement, .. }, PreparedKind::Mig { .. }) => {
+                        ClaimError::Occupied {
                             device: d.device.clone(),
                             gpu: g,
-                            by: format!("{}/{} ({}) {how}", o.namespace, o.name, o.uid),
-                        });
+                            placement: *placement,
+                            by: format!("claim {who}"),
+                        }
                     }
+                    (_, PreparedKind::Gpu) => ClaimError::GpuHeld {
+                        device: d.device.clone(),
+                        gpu: g,
+                        by: format!("as a whole GPU by claim {who}"),
+                    },
+                    (_, k) => ClaimError::GpuHeld {
+                        device: d.device.clone(),
+                        gpu: g,
+                        by: format!("by claim {who} {}", holds(k)),
+                    },
+                });
+            }
+            // NVML truth.
+            match &d.kind {
+                PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => {
                     if !instances.is_empty() {
                         return Err(ClaimError::GpuHasInstances {
                             device: d.device.clone(),
@@ -981,59 +1279,53 @@ impl Driver {
                     profile,
                     profile_id,
                     placement,
+                    mps,
                     ..
-                } => {
-                    if let Some(o) = time_slicer {
-                        return Err(ClaimError::GpuHeld {
-                            device: d.device.clone(),
-                            gpu: g,
-                            by: format!(
-                                "{}/{} ({}) as a time-sliced GPU",
-                                o.namespace, o.name, o.uid
-                            ),
+                } => match gpu.policy {
+                    GpuPolicy::Dynamic => {
+                        // The instance of an MPS unit another claim already shares is expected.
+                        let shared = mps.as_ref().is_some_and(|s| {
+                            st.claims.values().any(|c| {
+                                c.uid != claim.uid
+                                    && c.devices.iter().any(|x| {
+                                        x.gpu_index == g
+                                            && x.kind.mps().is_some_and(|o| o.unit == s.unit)
+                                    })
+                            })
                         });
-                    }
-                    if let Some(o) = owner_of(g, *placement) {
-                        return Err(ClaimError::Occupied {
-                            device: d.device.clone(),
-                            gpu: g,
-                            placement: *placement,
-                            by: format!("claim {}/{} ({})", o.namespace, o.name, o.uid),
-                        });
-                    }
-                    match gpu.policy {
-                        GpuPolicy::Dynamic => {
-                            if let Some(i) =
-                                instances.iter().find(|i| i.placement.overlaps(*placement))
-                            {
-                                return Err(ClaimError::Occupied {
-                                    device: d.device.clone(),
-                                    gpu: g,
-                                    placement: *placement,
-                                    by: format!(
-                                        "{} that carve does not know",
-                                        describe(i, &gpu.profiles)
-                                    ),
-                                });
-                            }
-                        }
-                        GpuPolicy::Static => {
-                            let exists = instances.iter().any(|i| {
-                                i.placement == *placement
-                                    && i.profile_id == *profile_id
-                                    && !i.compute_instances.is_empty()
+                        if let Some(i) = instances.iter().find(|i| {
+                            i.placement.overlaps(*placement)
+                                && !(shared
+                                    && i.placement == *placement
+                                    && i.profile_id == *profile_id)
+                        }) {
+                            return Err(ClaimError::Occupied {
+                                device: d.device.clone(),
+                                gpu: g,
+                                placement: *placement,
+                                by: format!(
+                                    "{} that carve does not know",
+                                    describe(i, &gpu.profiles)
+                                ),
                             });
-                            if !exists {
-                                return Err(ClaimError::StaticMissing {
-                                    device: d.device.clone(),
-                                    gpu: g,
-                                    profile: profile.clone(),
-                                    placement: *placement,
-                                });
-                            }
                         }
                     }
-                }
+                    GpuPolicy::Static => {
+                        let exists = instances.iter().any(|i| {
+                            i.placement == *placement
+                                && i.profile_id == *profile_id
+                                && !i.compute_instances.is_empty()
+                        });
+                        if !exists {
+                            return Err(ClaimError::StaticMissing {
+                                device: d.device.clone(),
+                                gpu: g,
+                                profile: profile.clone(),
+                                placement: *placement,
+                            });
+                        }
+                    }
+                },
             }
         }
         Ok(())
@@ -1059,12 +1351,14 @@ impl Driver {
             })
             .unwrap_or_default();
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let mps_caps = self.config.mps.as_ref().map(|m| m.support.capabilities());
         for d in &devices {
             let data = match &d.kind {
                 PreparedKind::Gpu => serde_json::json!({"uuid": d.gpu_uuid}),
                 PreparedKind::TimeSlice => {
                     serde_json::json!({"uuid": d.gpu_uuid, "sharing": "timeslice"})
                 }
+                PreparedKind::Mps { .. } => serde_json::json!({"uuid": d.gpu_uuid}),
                 PreparedKind::Mig {
                     profile,
                     placement,
@@ -1078,6 +1372,19 @@ impl Driver {
                     "gpuInstanceID": gi, "computeInstanceID": ci,
                 }),
             };
+            let mut data = data;
+            if let Some(share) = d.kind.mps() {
+                data["sharing"] = serde_json::json!("mps");
+                data["mps"] = serde_json::json!({
+                    "unit": share.unit,
+                    "memoryLimitMiB": share.limits.memory_limit_mib,
+                    "multiprocessors": share.limits.multiprocessors,
+                    "activeThreadPercentage": share.limits.active_thread_percentage,
+                    "memoryLimit": mps_caps.map(|c| c.memory_limit.as_str()),
+                    "computeLimit": mps_caps.map(|c| c.compute_limit.as_str()),
+                    "cgroup": share.cgroup,
+                });
+            }
             let mut e = serde_json::json!({
                 "driver": self.config.driver_name, "pool": d.pool, "device": d.device,
                 "conditions": [{"type": "Ready", "status": "True", "reason": "Prepared",
@@ -1137,10 +1444,27 @@ impl Driver {
                 guards.push((*id, g.rt.lock().await));
             }
         }
+        // MPS shares first: a daemon's server holds the instance it serves.
+        let (keep, compute_set) = {
+            let st = self.state.lock().await;
+            let keep: BTreeSet<String> = Self::shared_units(&st, uid).into_keys().collect();
+            (keep, st.compute_mode_set_by_plugin.clone())
+        };
+        let mut restored = Vec::new();
+        if let Some(setup) = self.mps_setup(&rec.devices)? {
+            let b = self.backend.clone();
+            let devs = rec.devices.clone();
+            let u = uid.to_string();
+            let pci = self.pci_map();
+            restored =
+                blocking(move || crate::mps::detach(&setup, &*b, &u, &devs, &compute_set, &pci))
+                    .await
+                    .map_err(ClaimError::Task)??;
+        }
         let b = self.backend.clone();
         let retry = self.config.unprepare_retry;
         let devs = rec.devices.clone();
-        blocking(move || destroy_devices(&*b, retry, &devs))
+        blocking(move || destroy_devices(&*b, retry, &devs, &keep))
             .await
             .map_err(ClaimError::Task)??;
         if let Some(p) = &rec.cdi_spec {
@@ -1155,7 +1479,11 @@ impl Driver {
         let restore: Vec<u32> = {
             let mut st = self.state.lock().await;
             st.claims.remove(uid);
+            for u in &restored {
+                st.compute_mode_set_by_plugin.remove(u);
+            }
             self.persist(&st).await?;
+            self.record_mps(&st);
             guards
                 .iter()
                 .map(|(g, _)| *g)
@@ -1280,6 +1608,8 @@ impl Driver {
                     boot_id: self.boot_id.clone(),
                     mig_enabled_by_plugin: c.body.mig_enabled_by_plugin,
                     claims: BTreeMap::new(),
+                    // Compute modes do not survive a reboot.
+                    compute_mode_set_by_plugin: BTreeSet::new(),
                 }
             }
             Ok(None) => CheckpointBody {
@@ -1356,6 +1686,10 @@ impl Driver {
             .collect();
         body.claims = kept;
 
+        // MPS daemons: exactly the kept shares, before the sweep (a daemon's
+        // server holds the instance it serves).
+        self.reconcile_mps(&mut body, &live, &mut report).await?;
+
         // Orphan sweep on dynamic GPUs.
         let owned: BTreeSet<(u32, Placement, u32)> = body
             .claims
@@ -1367,7 +1701,7 @@ impl Driver {
                     profile_id,
                     ..
                 } => Some((d.gpu_index, *placement, *profile_id)),
-                PreparedKind::Gpu | PreparedKind::TimeSlice => None,
+                PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => None,
             })
             .collect();
         let mut orphans: Vec<(u32, GpuInstanceInfo)> = Vec::new();
@@ -1463,6 +1797,184 @@ impl Driver {
             .await;
         tracing::info!(?report, "recovery done");
         Ok(report)
+    }
+
+    async fn reconcile_mps(
+        &self,
+        body: &mut CheckpointBody,
+        live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
+        report: &mut RecoveryReport,
+    ) -> Result<(), PluginError> {
+        let Some(setup) = self.config.mps.clone() else {
+            if let Some(d) = body
+                .claims
+                .values()
+                .flat_map(|c| c.devices.iter())
+                .find(|d| d.kind.mps().is_some())
+            {
+                tracing::error!(device = %d.device, "prepared MPS shares exist but the plugin runs without MPS; their daemons are not supervised and unprepare will fail until MPS is configured again");
+            }
+            return Ok(());
+        };
+        let pci = self.pci_map();
+        let mut keep: BTreeMap<String, (carve_mps::MpsTarget, Vec<carve_mps::ClientSpec>)> =
+            BTreeMap::new();
+        for c in body.claims.values() {
+            for d in &c.devices {
+                let (Some(t), Some(cl)) = (
+                    crate::mps::target_of(d, &pci),
+                    crate::mps::client_of(&c.uid, d),
+                ) else {
+                    continue;
+                };
+                keep.entry(t.unit.clone())
+                    .or_insert((t, Vec::new()))
+                    .1
+                    .push(cl);
+            }
+        }
+        let uuids: BTreeMap<u32, String> = self
+            .gpus
+            .iter()
+            .map(|(i, g)| (*i, g.info.uuid.clone()))
+            .collect();
+        let fallback = move |unit: &str| {
+            unit.parse::<DeviceName>()
+                .ok()
+                .and_then(|n| uuids.get(&n.gpu()).cloned())
+        };
+        let s2 = setup.clone();
+        let r = blocking(move || crate::mps::reconcile(&s2, &keep, &fallback))
+            .await
+            .map_err(|reason| PluginError::Task {
+                what: "MPS recovery",
+                reason,
+            })?
+            .map_err(|e| PluginError::MpsRecovery {
+                source: Box::new(e),
+            })?;
+        for c in body.claims.values_mut() {
+            for d in &mut c.devices {
+                let Some(sid) = d.share_id.clone() else {
+                    continue;
+                };
+                if let PreparedKind::Mps { share }
+                | PreparedKind::Mig {
+                    mps: Some(share), ..
+                } = &mut d.kind
+                    && let Some((edits, cgroup)) = r.shares.get(&(c.uid.clone(), sid))
+                {
+                    share.edits = Some(edits.clone());
+                    share.cgroup.clone_from(cgroup);
+                }
+            }
+        }
+        report.mps_units = r.kept;
+        report.mps_stopped = r.stopped;
+
+        // Compute modes carve set on devices no kept share uses: back to DEFAULT.
+        let before = body.compute_mode_set_by_plugin.clone();
+        prune_compute_modes(body);
+        let stale: Vec<String> = before
+            .difference(&body.compute_mode_set_by_plugin)
+            .cloned()
+            .collect();
+        let mut targets = Vec::new();
+        for u in &stale {
+            if let Some(g) = self.gpus.values().find(|g| g.info.uuid == *u) {
+                targets.push((u.clone(), carve_gpu::ComputeTarget::Gpu(g.info.index)));
+            } else if let Some((g, gi, ci)) = live.iter().find_map(|(g, v)| {
+                v.iter().find_map(|i| {
+                    i.compute_instances
+                        .iter()
+                        .find(|c| c.mig_uuid.as_deref() == Some(u.as_str()))
+                        .map(|c| (*g, i.id, c.id))
+                })
+            }) {
+                targets.push((u.clone(), carve_gpu::ComputeTarget::Mig { gpu: g, gi, ci }));
+            }
+        }
+        let b = self.backend.clone();
+        let restored = blocking(move || {
+            targets
+                .into_iter()
+                .filter_map(|(u, t)| {
+                    match b.set_compute_mode(t, carve_gpu::ComputeMode::Default) {
+                        Ok(()) => Some(u),
+                        Err(e) => {
+                            tracing::warn!(device = %u, error = %e, "restoring DEFAULT compute mode failed");
+                            None
+                        }
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|reason| PluginError::Task {
+            what: "MPS recovery",
+            reason,
+        })?;
+        report.compute_mode_restored = restored;
+        self.record_mps(body);
+        Ok(())
+    }
+
+    /// Keep the MPS daemons of prepared shares running: one that died is
+    /// restarted with every share's limits re-applied. Returns the units that
+    /// needed something, with what happened (or the error).
+    pub async fn supervise_mps(&self) -> Vec<(String, Result<carve_mps::Ensure, ClaimError>)> {
+        let Some(setup) = self.config.mps.clone() else {
+            return Vec::new();
+        };
+        let pci = self.pci_map();
+        let (units, gpus): (BTreeMap<String, carve_mps::MpsTarget>, BTreeSet<u32>) = {
+            let st = self.state.lock().await;
+            let mut units = BTreeMap::new();
+            let mut gpus = BTreeSet::new();
+            for c in st
+                .claims
+                .values()
+                .filter(|c| c.state == ClaimState::PrepareCompleted)
+            {
+                for d in &c.devices {
+                    if let Some(t) = crate::mps::target_of(d, &pci) {
+                        gpus.insert(d.gpu_index);
+                        units.entry(t.unit.clone()).or_insert(t);
+                    }
+                }
+            }
+            (units, gpus)
+        };
+        if units.is_empty() {
+            return Vec::new();
+        }
+        let mut guards = Vec::new();
+        for g in &gpus {
+            if let Some(gpu) = self.gpus.get(g) {
+                guards.push(gpu.rt.lock().await);
+            }
+        }
+        let out = blocking(move || crate::mps::supervise(&setup, &units))
+            .await
+            .unwrap_or_else(|e| vec![("*".into(), Err(ClaimError::Task(e)))]);
+        drop(guards);
+        let out: Vec<_> = out
+            .into_iter()
+            // A fresh supervisor finds a live daemon "adopted": nothing was done.
+            .filter(|(_, r)| {
+                !matches!(
+                    r,
+                    Ok(carve_mps::Ensure::Running | carve_mps::Ensure::Adopted)
+                )
+            })
+            .collect();
+        for (unit, r) in &out {
+            match r {
+                Ok(e) => tracing::warn!(unit = %unit, outcome = ?e, "MPS daemon supervision"),
+                Err(e) => tracing::error!(unit = %unit, error = %e, "MPS daemon supervision"),
+            }
+        }
+        out
     }
 
     fn remove_stale_files(&self, wanted: &BTreeSet<PathBuf>) {
@@ -1634,18 +2146,20 @@ fn plan_claim(
             continue;
         }
         let name: DeviceName = r.device.parse()?;
-        let unsupported = |kind| ClaimError::Unsupported {
-            device: r.device.clone(),
-            kind,
-        };
         let gpu_index = name.gpu();
         let gpu = gpus.get(&gpu_index).ok_or_else(|| ClaimError::NoSuchGpu {
             device: r.device.clone(),
             gpu: gpu_index,
         })?;
+        let share = match &name {
+            DeviceName::Mps { .. } | DeviceName::MigMps { .. } => {
+                Some(plan_share(config, gpu, &name, r, &configs)?)
+            }
+            _ => None,
+        };
         let kind = match &name {
             DeviceName::Gpu { .. } => PreparedKind::Gpu,
-            DeviceName::Mig { .. } => {
+            DeviceName::Mig { .. } | DeviceName::MigMps { .. } => {
                 if !gpu.info.mig_capable {
                     return Err(ClaimError::NotMigCapable {
                         device: r.device.clone(),
@@ -1683,11 +2197,18 @@ fn plan_claim(
                     ci: None,
                     mig_uuid: None,
                     cap_minors: Vec::new(),
+                    mps: share,
                 }
             }
-            DeviceName::Mps { .. } | DeviceName::MigMps { .. } => return Err(unsupported("MPS")),
+            DeviceName::Mps { .. } => PreparedKind::Mps {
+                share: share.ok_or_else(|| ClaimError::Task("MPS share not planned".into()))?,
+            },
             DeviceName::TimeSlice { .. } => PreparedKind::TimeSlice,
         };
+        if kind.mps().is_none() {
+            // An MpsConfig naming this request is an error; a class-wide one is not for it.
+            effective_mps(&configs, &r.request, &r.device, false)?;
+        }
         let is_mig = matches!(kind, PreparedKind::Mig { .. });
         let caps = effective_capabilities(&configs, &r.request, &r.device, is_mig)?;
         planned.push(Planned {
@@ -1710,20 +2231,15 @@ fn plan_claim(
             if a.record.gpu_index != b.record.gpu_index || a.record.device == b.record.device {
                 continue;
             }
-            let clash = match (&a.record.kind, &b.record.kind) {
-                (
-                    PreparedKind::Mig { placement: x, .. },
-                    PreparedKind::Mig { placement: y, .. },
-                ) => x.overlaps(*y),
-                _ => true,
-            };
-            if clash {
+            if conflicts(&a.record.kind, &b.record.kind) {
                 return Err(ClaimError::Occupied {
                     device: a.record.device.clone(),
                     gpu: a.record.gpu_index,
                     placement: match &a.record.kind {
                         PreparedKind::Mig { placement, .. } => *placement,
-                        PreparedKind::Gpu | PreparedKind::TimeSlice => Placement::new(0, 0),
+                        PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => {
+                            Placement::new(0, 0)
+                        }
                     },
                     by: format!("device {} of the same claim", b.record.device),
                 });
@@ -1733,16 +2249,166 @@ fn plan_claim(
     Ok(planned)
 }
 
+/// Forget compute modes carve set on units that no prepared share uses any
+/// more (their daemons are gone; [`crate::mps::detach`] restored them).
+fn prune_compute_modes(st: &mut CheckpointBody) {
+    let used: BTreeSet<String> = st
+        .claims
+        .values()
+        .flat_map(|c| c.devices.iter())
+        .filter_map(|d| match &d.kind {
+            PreparedKind::Mps { .. } => Some(d.gpu_uuid.clone()),
+            PreparedKind::Mig {
+                mps: Some(_),
+                mig_uuid,
+                ..
+            } => mig_uuid.clone(),
+            _ => None,
+        })
+        .collect();
+    st.compute_mode_set_by_plugin.retain(|u| used.contains(u));
+}
+
+/// Validate an MPS allocation and turn its `consumedCapacity` into limits (pure).
+fn plan_share(
+    config: &PluginConfig,
+    gpu: &Gpu,
+    name: &DeviceName,
+    r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
+    configs: &[crate::config::Applicable],
+) -> Result<MpsShare, ClaimError> {
+    let device = || r.device.clone();
+    let setup = config
+        .mps
+        .as_ref()
+        .ok_or_else(|| ClaimError::MpsDisabled { device: device() })?;
+    let share_id = r.share_id.as_deref().ok_or_else(|| ClaimError::BadShare {
+        device: device(),
+        reason: "the allocation result has no shareID (the scheduler gives every share of a shareable device one)".into(),
+    })?;
+    if share_id.is_empty()
+        || share_id.len() > 64
+        || !share_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(ClaimError::BadShare {
+            device: device(),
+            reason: format!("shareID {share_id:?} is not a UID"),
+        });
+    }
+    let Some(consumed) = r.consumed_capacity.as_ref().filter(|c| !c.is_empty()) else {
+        return Err(ClaimError::BadShare {
+            device: device(),
+            reason: "the allocation result has no consumedCapacity, so the share has no memory or SM limit (the scheduler records it with DRAConsumableCapacity enabled)".into(),
+        });
+    };
+    let caps = setup.support.capabilities();
+    let need = effective_mps(configs, &r.request, &r.device, true)?;
+    if let Some(m) = need.memory_limit
+        && caps.memory_limit < m
+    {
+        return Err(ClaimError::BadShare {
+            device: device(),
+            reason: format!(
+                "opaque MpsConfig requires memoryLimit {}, this node enforces {} (MPS v3 with cgroup v2 gives hard)",
+                m.as_str(),
+                caps.memory_limit.as_str()
+            ),
+        });
+    }
+    if let Some(c) = need.compute_limit
+        && caps.compute_limit < c
+    {
+        return Err(ClaimError::BadShare {
+            device: device(),
+            reason: format!(
+                "opaque MpsConfig requires computeLimit {}, this node enforces {}",
+                c.as_str(),
+                caps.compute_limit.as_str()
+            ),
+        });
+    }
+    let sharing_err = |source| ClaimError::Sharing {
+        device: device(),
+        source: Box::new(source),
+    };
+    let spec = match name.mig_placement() {
+        None => MpsDeviceSpec::whole(&gpu.physical, caps),
+        Some((profile, start)) => MpsDeviceSpec::mig(&gpu.physical, &profile, start, caps),
+    }
+    .map_err(sharing_err)?;
+    let limits = translate(consumed, &spec).map_err(sharing_err)?;
+    Ok(MpsShare {
+        unit: r.device.clone(),
+        limits,
+        cgroup: None,
+        edits: None,
+    })
+}
+
+/// Whether two devices on the same GPU cannot be prepared at the same time:
+/// anything excludes a whole GPU; time-slice shares go together, MPS shares of
+/// one unit go together; MIG devices clash when they overlap, unless both are
+/// MPS shares of the same instance.
+fn conflicts(a: &PreparedKind, b: &PreparedKind) -> bool {
+    match (a, b) {
+        (PreparedKind::TimeSlice, PreparedKind::TimeSlice) => false,
+        (PreparedKind::Mps { share: x }, PreparedKind::Mps { share: y }) => x.unit != y.unit,
+        (
+            PreparedKind::Mig {
+                placement: x,
+                mps: sx,
+                ..
+            },
+            PreparedKind::Mig {
+                placement: y,
+                mps: sy,
+                ..
+            },
+        ) => {
+            let same_unit = matches!((sx, sy), (Some(p), Some(q)) if p.unit == q.unit);
+            x.overlaps(*y) && !same_unit
+        }
+        _ => true,
+    }
+}
+
+/// How a device holds its GPU, for error messages.
+fn holds(kind: &PreparedKind) -> &'static str {
+    match kind {
+        PreparedKind::Gpu => "as a whole GPU",
+        PreparedKind::TimeSlice => "as a time-sliced GPU",
+        PreparedKind::Mps { .. } => "through MPS",
+        PreparedKind::Mig { .. } => "using its MIG devices",
+    }
+}
+
 /// Enable MIG where needed, then create or find each device's instances.
 /// Returns the GPUs whose MIG mode is now on. On error destroys what it
 /// created. Blocking.
 fn make_devices(
     b: &dyn GpuBackend,
     retry: Retry,
-    enable_mig: &[u32],
+    (enable_mig, disable_mig): (&[u32], &[u32]),
     records: &mut [DeviceRecord],
     live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
-) -> Result<Vec<u32>, ClaimError> {
+    shared: &BTreeMap<String, DeviceRecord>,
+) -> Result<(Vec<u32>, Vec<u32>), ClaimError> {
+    let mut disabled = Vec::new();
+    for g in disable_mig {
+        let m = b
+            .set_mig_mode(*g, false)
+            .map_err(backend_err(format!("disable MIG mode on GPU {g}")))?;
+        if m.current {
+            return Err(ClaimError::WholeInMigMode {
+                device: format!("gpu-{g}"),
+                gpu: *g,
+                why: "disabling MIG mode is pending a GPU reset",
+            });
+        }
+        disabled.push(*g);
+    }
     let mut enabled = Vec::new();
     for g in enable_mig {
         let m = b
@@ -1769,10 +2435,29 @@ fn make_devices(
                 ci,
                 mig_uuid,
                 cap_minors,
+                mps,
             } = &mut d.kind
             else {
                 continue;
             };
+            // An MPS share of an instance other claims already share: use it.
+            if let Some(PreparedKind::Mig {
+                gi: Some(sg),
+                ci: Some(sc),
+                mig_uuid: Some(su),
+                cap_minors: sm,
+                ..
+            }) = mps
+                .as_ref()
+                .and_then(|s| shared.get(&s.unit))
+                .map(|r| &r.kind)
+            {
+                *gi = Some(*sg);
+                *ci = Some(*sc);
+                *mig_uuid = Some(su.clone());
+                cap_minors.clone_from(sm);
+                continue;
+            }
             let (gid, cid, uuid) = if *create {
                 let info =
                     b.create_gpu_instance(g, *profile_id, *placement)
@@ -1829,7 +2514,7 @@ fn make_devices(
         Ok(())
     })();
     match res {
-        Ok(()) => Ok(enabled),
+        Ok(()) => Ok((enabled, disabled)),
         Err(e) => {
             for (g, gi, ci) in made.iter().rev() {
                 let r = ci
@@ -1859,6 +2544,7 @@ fn destroy_devices(
     b: &dyn GpuBackend,
     retry: Retry,
     devs: &[DeviceRecord],
+    keep: &BTreeSet<String>,
 ) -> Result<(), ClaimError> {
     let mut cache: BTreeMap<u32, Vec<GpuInstanceInfo>> = BTreeMap::new();
     for d in devs {
@@ -1868,11 +2554,16 @@ fn destroy_devices(
             created: true,
             gi,
             ci,
+            mps,
             ..
         } = &d.kind
         else {
             continue;
         };
+        if mps.as_ref().is_some_and(|s| keep.contains(&s.unit)) {
+            // Other claims still share this instance through MPS.
+            continue;
+        }
         let g = d.gpu_index;
         let instances = match cache.entry(g) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
@@ -1939,6 +2630,15 @@ mod tests {
                 (
                     i,
                     Arc::new(Gpu {
+                        physical: carve_model::PhysicalGpu {
+                            index: info.index,
+                            minor: info.minor,
+                            uuid: info.uuid.clone(),
+                            pci_bus_id: None,
+                            pcie_root: None,
+                            driver_version: "580.65.6".into(),
+                            spec: spec.clone(),
+                        },
                         info,
                         profiles: spec.profiles,
                         policy: GpuPolicy::Dynamic,
@@ -1994,7 +2694,7 @@ mod tests {
                 assert!(*created);
                 assert!(gi.is_none());
             }
-            PreparedKind::Gpu | PreparedKind::TimeSlice => panic!("expected MIG"),
+            _ => panic!("expected MIG"),
         }
         assert_eq!(p[1].record.kind, PreparedKind::Gpu);
         assert_eq!(p[1].record.gpu_uuid, "GPU-1");
@@ -2030,7 +2730,7 @@ mod tests {
             ),
             (
                 res("r", "node-a", "gpu-0-mps"),
-                "MPS devices are not supported",
+                "MPS is not enabled on this node",
             ),
         ];
         for (r, want) in cases {
@@ -2109,6 +2809,7 @@ mod tests {
                     ci: Some(0),
                     mig_uuid: Some("MIG-7".into()),
                     cap_minors: vec![66, 67],
+                    mps: None,
                 },
                 capabilities_env: None,
             }],

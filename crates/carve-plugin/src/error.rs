@@ -69,6 +69,13 @@ pub enum PluginError {
         #[source]
         source: Box<crate::driver::ClaimError>,
     },
+    /// Recovery could not bring the MPS daemons in line with the checkpoint.
+    #[error("recovery: MPS daemons: {source}")]
+    MpsRecovery {
+        /// The failure.
+        #[source]
+        source: Box<crate::driver::ClaimError>,
+    },
     /// A blocking task panicked or was cancelled.
     #[error("blocking task {what}: {reason}")]
     Task {
@@ -86,6 +93,7 @@ impl From<PluginError> for tonic::Status {
             PluginError::Kube { .. } | PluginError::Backend { .. } => Self::unavailable(msg),
             PluginError::Io { .. }
             | PluginError::Sweep { .. }
+            | PluginError::MpsRecovery { .. }
             | PluginError::SocketPathTooLong { .. }
             | PluginError::Checkpoint(_)
             | PluginError::Cdi(_)

@@ -13,6 +13,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::config::WriteFault;
 
@@ -25,6 +26,27 @@ pub(crate) enum FileKind {
 
 static CHECKPOINT_WRITES: AtomicU64 = AtomicU64::new(0);
 static CDI_WRITES: AtomicU64 = AtomicU64::new(0);
+static SYNCS: AtomicU64 = AtomicU64::new(0);
+static SYNC_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// fsyncs done by [`atomic_write`] in this process so far, and the time spent
+/// in them (for `carve bench prepare`, which reports overhead with and without
+/// the disk's flush time).
+pub(crate) fn sync_totals() -> (u64, Duration) {
+    (
+        SYNCS.load(Ordering::Relaxed),
+        Duration::from_nanos(SYNC_NANOS.load(Ordering::Relaxed)),
+    )
+}
+
+fn timed_sync(f: &std::fs::File) -> std::io::Result<()> {
+    let t = Instant::now();
+    let r = f.sync_all();
+    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    SYNC_NANOS.fetch_add(ns, Ordering::Relaxed);
+    SYNCS.fetch_add(1, Ordering::Relaxed);
+    r
+}
 
 /// Abort the process if `fault` names this write (the Nth write of this kind in
 /// this process). Used only by crash tests, configured through
@@ -71,7 +93,7 @@ pub(crate) fn atomic_write(
             .open(&tmp)?;
         f.write_all(bytes)?;
         if kind == FileKind::Checkpoint {
-            f.sync_all()?;
+            timed_sync(&f)?;
         }
         drop(f);
         maybe_abort(kind, fault);

@@ -25,6 +25,7 @@ mod error;
 mod fsutil;
 pub mod health;
 mod metrics;
+mod mps;
 mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -35,11 +36,11 @@ pub use cdi::{
 };
 pub use checkpoint::{
     CHECKPOINT_API_VERSION, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState,
-    DeviceRecord, PreparedKind,
+    DeviceRecord, MpsShare, PreparedKind,
 };
 pub use claim::{ClaimRef, InvalidClaim, PreparedDevice};
 pub use config::{
-    ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, OPAQUE_API_VERSION,
+    ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, MpsSetup, OPAQUE_API_VERSION,
     OpaqueConfig, PluginConfig, Retry, WriteFault,
 };
 pub use driver::{ClaimError, Driver, RecoveryReport};

@@ -22,7 +22,9 @@ pub fn failure_reason(e: &ClaimError) -> FailureReason {
         | ClaimError::NotAllocated
         | ClaimError::OtherPool { .. }
         | ClaimError::BadDeviceName(_)
-        | ClaimError::Unsupported { .. }
+        | ClaimError::MpsDisabled { .. }
+        | ClaimError::BadShare { .. }
+        | ClaimError::Sharing { .. }
         | ClaimError::NoSuchGpu { .. }
         | ClaimError::NotMigCapable { .. }
         | ClaimError::NoSuchProfile { .. }
@@ -33,10 +35,12 @@ pub fn failure_reason(e: &ClaimError) -> FailureReason {
         | ClaimError::GpuHeld { .. }
         | ClaimError::GpuHasInstances { .. }
         | ClaimError::StaticMissing { .. }
-        | ClaimError::MigPending { .. } => FailureReason::PlacementUnavailable,
+        | ClaimError::MigPending { .. }
+        | ClaimError::WholeInMigMode { .. } => FailureReason::PlacementUnavailable,
         ClaimError::Backend { .. } | ClaimError::Busy { .. } => FailureReason::Nvml,
         ClaimError::Kube { .. } => FailureReason::KubeApi,
         ClaimError::Checkpoint(_) => FailureReason::Checkpoint,
+        ClaimError::Mps { .. } | ClaimError::NoPodCgroup { .. } => FailureReason::Mps,
         ClaimError::Cdi(_) => FailureReason::Cdi,
         ClaimError::Task(_) => FailureReason::Internal,
     }

@@ -156,7 +156,21 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// Whether this process was started under the fake MPS control's name
+/// (`carve simulate` links [`carve_mps::fake::PROGRAM`] to this executable).
+fn invoked_as_fake_mps_control() -> bool {
+    std::env::args_os().next().is_some_and(|a| {
+        std::path::Path::new(&a)
+            .file_name()
+            .is_some_and(|n| n == carve_mps::fake::PROGRAM)
+    })
+}
+
 fn main() -> ExitCode {
+    if invoked_as_fake_mps_control() {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        return carve_mps::fake::run(&args);
+    }
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     match run(cli.command) {

@@ -49,16 +49,34 @@ pub struct PluginArgs {
     /// `dynamic,1=static,3=static`. `static` GPUs keep an admin's layout.
     #[arg(long, default_value = "dynamic", value_parser = parse_mig_policy)]
     pub mig_policy: MigPolicy,
-    /// `nvidia-cuda-mps-control` to use for MPS sharing.
+    /// `nvidia-cuda-mps-control` to use for MPS sharing (needed with
+    /// `--sharing mps` or `mig-mps`).
     #[arg(long)]
     pub mps_control: Option<PathBuf>,
+    /// MPS control protocol: `auto` (v3 where the driver and cgroup v2 allow it,
+    /// else v2), `v2`, or `v3` (refuse to start without it).
+    #[arg(long, default_value = "auto", value_enum)]
+    pub mps_protocol: MpsProtocolArg,
+    /// Where MPS daemons keep their pipe, log and state directories (one per
+    /// shared GPU or MIG instance); default `<state-dir>/mps`. The pipe
+    /// directories are bind-mounted into workload containers, so this must be
+    /// a host path mounted at the same path in the plugin container.
+    #[arg(long)]
+    pub mps_dir: Option<PathBuf>,
+    /// The cgroup v2 mount (MPS v3 binds each share to its pod's cgroup here).
+    #[arg(long, default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
+    /// How often MPS daemons are checked and restarted if they died (seconds).
+    #[arg(long, default_value_t = 10)]
+    pub mps_supervise_seconds: u64,
     /// How often prepared claims whose ResourceClaim is gone are cleaned up (seconds; 0 = never).
     #[arg(long, default_value_t = 600)]
     pub gc_interval_seconds: u64,
-    /// Shared devices to publish besides MIG partitions and whole GPUs:
-    /// `timeslice` (a shareable whole GPU, no memory or fault isolation; needs
-    /// consumable capacity: Kubernetes 1.36+, or 1.34/1.35 with the
-    /// DRAConsumableCapacity gate).
+    /// Shared devices to publish besides MIG partitions and whole GPUs
+    /// (consumable capacity: Kubernetes 1.36+, or 1.34/1.35 with the
+    /// DRAConsumableCapacity gate): `mps` (MPS shares of a whole GPU with memory
+    /// and SM limits), `mig-mps` (MPS shares of one MIG instance), `timeslice`
+    /// (a shareable whole GPU, no memory or fault isolation).
     #[arg(long, value_delimiter = ',', value_enum)]
     pub sharing: Vec<SharingKind>,
     /// How often NVML health events are polled (seconds).
@@ -75,8 +93,65 @@ pub struct PluginArgs {
 /// A kind of shared device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SharingKind {
+    /// MPS shares of whole GPUs.
+    Mps,
+    /// MPS shares of MIG instances.
+    MigMps,
     /// Time-sliced whole GPUs.
     Timeslice,
+}
+
+/// `--mps-protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MpsProtocolArg {
+    /// The strongest the node supports.
+    Auto,
+    /// Legacy v2 (per-daemon defaults, client variables).
+    V2,
+    /// v3 (namespaces bound to pod cgroups); an error where unsupported.
+    V3,
+}
+
+/// Detect MPS support when `--sharing` asks for MPS devices.
+fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>> {
+    let wanted =
+        args.sharing.contains(&SharingKind::Mps) || args.sharing.contains(&SharingKind::MigMps);
+    let Some(binary) = &args.mps_control else {
+        if wanted {
+            bail!(
+                "--sharing mps/mig-mps needs --mps-control (the path of nvidia-cuda-mps-control)"
+            );
+        }
+        return Ok(None);
+    };
+    if !wanted {
+        bail!(
+            "--mps-control {} is set but --sharing lists neither mps nor mig-mps",
+            binary.display()
+        );
+    }
+    let mut config = carve_mps::MpsConfig::new(&args.state_dir);
+    config.control_binary.clone_from(binary);
+    if let Some(d) = &args.mps_dir {
+        config.root.clone_from(d);
+    }
+    config.cgroup_root.clone_from(&args.cgroup_root);
+    config.protocol = match args.mps_protocol {
+        MpsProtocolArg::Auto => carve_mps::ProtocolChoice::Auto,
+        MpsProtocolArg::V2 => carve_mps::ProtocolChoice::V2,
+        MpsProtocolArg::V3 => carve_mps::ProtocolChoice::V3,
+    };
+    let support = carve_mps::detect(&config).context("detecting MPS support")?;
+    let caps = support.capabilities();
+    tracing::info!(
+        protocol = ?support.protocol,
+        cgroup_v2 = support.cgroup_v2,
+        dmem_regions = support.dmem_regions.len(),
+        memory_limit = caps.memory_limit.as_str(),
+        compute_limit = caps.compute_limit.as_str(),
+        "MPS support"
+    );
+    Ok(Some(carve_plugin::MpsSetup { config, support }))
 }
 
 /// Default and per-GPU MIG policies.
@@ -184,7 +259,14 @@ fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inv
         }
         let mig_on = info.mig_mode.is_some_and(|m| m.current);
         if spec.mig_capable && mig_on && info.architecture.mig_mode_needs_reset() {
-            unusable_whole.push(carve_model::DeviceName::Gpu { gpu: info.index }.to_string());
+            // The whole GPU and its whole-GPU sharing forms alike.
+            for n in [
+                carve_model::DeviceName::Gpu { gpu: info.index },
+                carve_model::DeviceName::Mps { gpu: info.index },
+                carve_model::DeviceName::TimeSlice { gpu: info.index },
+            ] {
+                unusable_whole.push(n.to_string());
+            }
         }
         let slice_policy = if !spec.mig_capable {
             SlicePolicy::Dynamic
@@ -269,18 +351,15 @@ async fn shutdown_signal() {
 
 /// Run the plugin until SIGTERM / Ctrl-C.
 pub fn run(args: PluginArgs) -> anyhow::Result<()> {
-    if let Some(mps) = &args.mps_control {
-        bail!(
-            "--mps-control {}: MPS sharing is not wired into the kubelet plugin yet; remove the flag",
-            mps.display()
-        );
-    }
     if !args.registry_dir.is_dir() {
         bail!(
             "--registry-dir {}: not a directory (the kubelet creates it)",
             args.registry_dir.display()
         );
     }
+    // MPS flags and support before anything is created (detection fails
+    // first on a missing control binary).
+    let mps = mps_setup(&args)?;
     ensure_dir(&args.state_dir, "--state-dir")?;
     ensure_dir(&args.cdi_dir, "--cdi-dir")?;
     let plugin_dir = args.plugins_dir.join(carve_model::DRIVER_NAME);
@@ -303,8 +382,10 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         let layout = KubeLayout::for_version(major, minor)?;
         let mut opts = SliceOptions::new(&args.node_name, layout);
         opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
-        if opts.sharing.timeslice && (major, minor) < (1, 36) {
-            tracing::warn!(major, minor, "time-slice devices need consumable capacity, off by default before Kubernetes 1.36");
+        opts.sharing.mps = mps.as_ref().map(|m| m.support.capabilities());
+        opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
+        if !args.sharing.is_empty() && (major, minor) < (1, 36) {
+            tracing::warn!(major, minor, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
         let mut desired = slices::build_slices(&inv.gpus, &opts)?;
         drop_devices(&mut desired, &inv.unusable_whole);
@@ -378,10 +459,27 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         cfg.gpu_policy = args.mig_policy.per_gpu.clone();
         cfg.gc_interval = (args.gc_interval_seconds > 0).then(|| Duration::from_secs(args.gc_interval_seconds));
         cfg.metrics = Some(metrics.clone());
+        cfg.mps = mps;
 
         let driver = Arc::new(carve_plugin::Driver::new(cfg, backend, client).await?);
         let report = driver.recover().await?;
         tracing::info!(?report, "recovered");
+        // MPS daemons that die are restarted with their shares' limits.
+        let supervise_every = Duration::from_secs(args.mps_supervise_seconds.max(1));
+        let mut stop = stop_rx.clone();
+        let d2 = driver.clone();
+        let supervisor = tokio::spawn(async move {
+            if d2.config().mps.is_none() {
+                return;
+            }
+            loop {
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    () = tokio::time::sleep(supervise_every) => {}
+                }
+                let _ = d2.supervise_mps().await;
+            }
+        });
         let mut stop = stop_rx.clone();
         let serve_opts = carve_plugin::health::ServeOptions { health: Some(health.clone()), ..Default::default() };
         let serving = carve_plugin::health::serve_with(driver, serve_opts, async move {
@@ -414,6 +512,7 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
         serving.wait().await?;
         let _ = publish_task.await;
+        let _ = supervisor.await;
         let _ = metrics_server.wait().await;
         health.stop().await?;
         Ok(())

@@ -70,3 +70,37 @@ fn missing_nvml_library_is_named() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("/nonexistent/libnvidia-ml.so.1"), "{err}");
 }
+
+#[test]
+fn mps_flags_are_checked_before_anything_is_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let reg = dir.path().join("registry");
+    std::fs::create_dir(&reg).unwrap();
+    let state = dir.path().join("state");
+    let base = [
+        "--node-name",
+        "n1",
+        "--registry-dir",
+        reg.to_str().unwrap(),
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.extend_from_slice(extra);
+        plugin(&a)
+    };
+    let (code, err) = with(&["--sharing", "mps"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--mps-control"), "{err}");
+    let (code, err) = with(&["--mps-control", "/bin/true"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--sharing"), "{err}");
+    let (code, err) = with(&["--sharing", "mps,timeslice", "--mps-control", "/no/such/mps-control"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("MPS is not installed") && err.contains("/no/such/mps-control"),
+        "{err}"
+    );
+    assert!(!state.exists(), "nothing is created before the flags are checked");
+}

@@ -84,3 +84,13 @@ values.schema.json rejects the same combinations; this is the second line for
 {{- printf ",%v=%s" .gpu .policy -}}
 {{- end -}}
 {{- end -}}
+
+{{/* --sharing: the shared device kinds to publish (mps, mig-mps, timeslice). */}}
+{{- define "carve.sharing" -}}
+{{- if .Values.mps.enabled -}}
+mps{{- if .Values.mps.migInstances -}},mig-mps{{- end -}}
+{{- end -}}
+{{- if .Values.timeslice.enabled -}}
+{{- if .Values.mps.enabled -}},{{- end -}}timeslice
+{{- end -}}
+{{- end -}}

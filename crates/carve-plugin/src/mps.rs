@@ -1,0 +1,371 @@
+//! The driver's MPS side: attach a claim's shares to their units' control
+//! daemons (starting a daemon with its unit's first share, in
+//! `EXCLUSIVE_PROCESS` compute mode), detach them (stopping the daemon and
+//! restoring the compute mode after the last share), and reconcile daemons
+//! with the checkpoint after a restart. Blocking; the driver calls it from
+//! `spawn_blocking` with the GPU locks held.
+//!
+//! A unit is one shared whole GPU (`gpu-0-mps`) or one MIG instance
+//! (`gpu-0-mig-1g10gb-3-mps`). The daemon's state (pid, clients, limits) lives
+//! in `<state root>/mps/<unit>/state.json` ([`carve_mps::MpsControl`]); the
+//! checkpoint records each claim's share (limits, cgroup, container edits), so
+//! either side can be rebuilt from the other.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+use carve_gpu::{ComputeMode, ComputeTarget, GpuBackend};
+use carve_mps::{ClientSpec, Ensure, MpsControl, MpsError, MpsTarget};
+
+use crate::checkpoint::{DeviceRecord, PreparedKind};
+use crate::config::MpsSetup;
+use crate::driver::ClaimError;
+
+/// The daemon a device's share belongs to.
+fn target(d: &DeviceRecord, pci_bus_id: Option<&str>) -> Option<(MpsTarget, ComputeTarget)> {
+    match &d.kind {
+        PreparedKind::Mps { share } => Some((
+            MpsTarget {
+                unit: share.unit.clone(),
+                uuid: d.gpu_uuid.clone(),
+                pci_bus_id: pci_bus_id.map(str::to_string),
+                mig: false,
+            },
+            ComputeTarget::Gpu(d.gpu_index),
+        )),
+        PreparedKind::Mig {
+            mps: Some(share),
+            gi: Some(gi),
+            ci: Some(ci),
+            mig_uuid: Some(uuid),
+            ..
+        } => Some((
+            MpsTarget {
+                unit: share.unit.clone(),
+                uuid: uuid.clone(),
+                pci_bus_id: pci_bus_id.map(str::to_string),
+                mig: true,
+            },
+            ComputeTarget::Mig {
+                gpu: d.gpu_index,
+                gi: *gi,
+                ci: *ci,
+            },
+        )),
+        _ => None,
+    }
+}
+
+fn mps_err(device: &str) -> impl FnOnce(MpsError) -> ClaimError + '_ {
+    move |source| ClaimError::Mps {
+        device: device.to_string(),
+        source: Box::new(source),
+    }
+}
+
+/// The pod cgroup a share binds to: the first pod of `pods` whose cgroup exists.
+fn resolve_cgroup(
+    setup: &MpsSetup,
+    device: &str,
+    pods: &[String],
+) -> Result<Option<PathBuf>, ClaimError> {
+    if setup.support.capabilities().memory_limit != carve_model::sharing::MemoryLimit::Hard {
+        return Ok(None);
+    }
+    let root = &setup.config.cgroup_root;
+    for p in pods {
+        if let Some(c) = carve_mps::pod_cgroup(root, p) {
+            return Ok(Some(c));
+        }
+    }
+    Err(ClaimError::NoPodCgroup {
+        device: device.to_string(),
+        pods: pods.to_vec(),
+        root: root.clone(),
+    })
+}
+
+/// Put a unit's device into `EXCLUSIVE_PROCESS` before its daemon starts.
+/// Returns whether carve changed it (an administrator's setting is left alone).
+fn exclusive(b: &dyn GpuBackend, t: ComputeTarget) -> Result<bool, carve_gpu::BackendError> {
+    match b.compute_mode(t)? {
+        ComputeMode::ExclusiveProcess => Ok(false),
+        _ => {
+            b.set_compute_mode(t, ComputeMode::ExclusiveProcess)?;
+            Ok(true)
+        }
+    }
+}
+
+/// What [`attach`] did besides filling in the shares' edits.
+#[derive(Debug, Default)]
+pub(crate) struct Attached {
+    /// Unit UUIDs whose compute mode carve switched to `EXCLUSIVE_PROCESS`.
+    pub compute_mode_set: Vec<String>,
+}
+
+/// Attach every MPS share of `devices` (claim `claim_uid`) to its daemon and
+/// record the container edits in the share. On error, the shares attached so
+/// far are detached again (their daemons stopped if now idle, compute modes
+/// restored), so nothing of this claim stays behind.
+pub(crate) fn attach(
+    setup: &MpsSetup,
+    b: &dyn GpuBackend,
+    claim_uid: &str,
+    devices: &mut [DeviceRecord],
+    pods: &[String],
+    pci: &BTreeMap<u32, String>,
+) -> Result<Attached, ClaimError> {
+    let mut done: Vec<usize> = Vec::new();
+    let mut out = Attached::default();
+    let mut result = Ok(());
+    for (i, d) in devices.iter_mut().enumerate() {
+        let Some((t, ct)) = target(d, pci.get(&d.gpu_index).map(String::as_str)) else {
+            if d.kind.mps().is_some() {
+                result = Err(ClaimError::Task(format!(
+                    "device {}: the MIG instance of the MPS share is not known",
+                    d.device
+                )));
+                break;
+            }
+            continue;
+        };
+        let device = d.device.clone();
+        let share_id = d.share_id.clone().unwrap_or_default();
+        let step = (|| {
+            let cgroup = resolve_cgroup(setup, &device, pods)?;
+            let mut ctl = MpsControl::open(&setup.config, &setup.support, t.clone())
+                .map_err(mps_err(&device))?;
+            let first = ctl.is_idle();
+            if first
+                && exclusive(b, ct).map_err(|source| ClaimError::Backend {
+                    op: format!("set {} to EXCLUSIVE_PROCESS compute mode for MPS", t.uuid),
+                    source,
+                })?
+            {
+                out.compute_mode_set.push(t.uuid.clone());
+            }
+            let limits = match d.kind.mps() {
+                Some(s) => s.limits,
+                None => return Ok(None),
+            };
+            let edits = ctl
+                .add_client(ClientSpec {
+                    claim_uid: claim_uid.to_string(),
+                    share_id,
+                    limits,
+                    cgroup: cgroup.clone(),
+                })
+                .map_err(mps_err(&device));
+            match edits {
+                Ok(e) => Ok(Some((e, cgroup))),
+                Err(e) => {
+                    if first
+                        && let Some(pos) = out.compute_mode_set.iter().position(|u| *u == t.uuid)
+                    {
+                        let _ = b.set_compute_mode(ct, ComputeMode::Default);
+                        out.compute_mode_set.remove(pos);
+                    }
+                    Err(e)
+                }
+            }
+        })();
+        match step {
+            Ok(Some((edits, cgroup))) => {
+                if let PreparedKind::Mps { share }
+                | PreparedKind::Mig {
+                    mps: Some(share), ..
+                } = &mut d.kind
+                {
+                    share.edits = Some(edits);
+                    share.cgroup = cgroup;
+                }
+                done.push(i);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    if let Err(e) = result {
+        let undo: Vec<DeviceRecord> = done.iter().map(|&i| devices[i].clone()).collect();
+        let set: BTreeSet<String> = out.compute_mode_set.iter().cloned().collect();
+        if let Err(re) = detach(setup, b, claim_uid, &undo, &set, pci) {
+            tracing::error!(claim.uid = claim_uid, error = %re, "rollback of MPS shares after a failed prepare");
+        }
+        return Err(e);
+    }
+    Ok(out)
+}
+
+/// Detach every MPS share of `devices` from its daemon; stop a daemon whose
+/// last share this was and, where carve set it (`compute_set`), put its
+/// device back into `DEFAULT` compute mode. Returns the UUIDs restored.
+pub(crate) fn detach(
+    setup: &MpsSetup,
+    b: &dyn GpuBackend,
+    claim_uid: &str,
+    devices: &[DeviceRecord],
+    compute_set: &BTreeSet<String>,
+    pci: &BTreeMap<u32, String>,
+) -> Result<Vec<String>, ClaimError> {
+    let mut restored = Vec::new();
+    for d in devices {
+        let Some(share) = d.kind.mps() else { continue };
+        let share_id = d.share_id.clone().unwrap_or_default();
+        // A MIG share whose instance ids were never learnt never reached a daemon.
+        let Some((t, ct)) = target(d, pci.get(&d.gpu_index).map(String::as_str)) else {
+            continue;
+        };
+        debug_assert_eq!(t.unit, share.unit);
+        let mut ctl = MpsControl::open(&setup.config, &setup.support, t.clone())
+            .map_err(mps_err(&d.device))?;
+        ctl.remove_client(claim_uid, &share_id)
+            .map_err(mps_err(&d.device))?;
+        if ctl.is_idle() {
+            ctl.stop_if_idle().map_err(mps_err(&d.device))?;
+            if compute_set.contains(&t.uuid) {
+                match b.set_compute_mode(ct, ComputeMode::Default) {
+                    Ok(()) => restored.push(t.uuid.clone()),
+                    Err(e) => {
+                        tracing::warn!(unit = %t.unit, error = %e, "restoring DEFAULT compute mode failed")
+                    }
+                }
+            }
+        }
+    }
+    Ok(restored)
+}
+
+/// What [`reconcile`] found and did.
+#[derive(Debug, Default)]
+pub(crate) struct Reconciled {
+    /// Kept units and what their daemons needed.
+    pub kept: Vec<(String, Ensure)>,
+    /// Units whose daemon was stopped (no kept share).
+    pub stopped: Vec<String>,
+    /// Per (claim UID, shareID) of the kept shares: the container edits and
+    /// the cgroup the daemon has for it (authoritative over a share rebuilt
+    /// from the API server, which knows neither).
+    pub shares: BTreeMap<(String, String), (carve_mps::ShareEdits, Option<PathBuf>)>,
+}
+
+/// After a restart: every unit in `keep` (unit → its target and the shares the
+/// checkpoint holds) gets exactly those clients and a running daemon (adopted
+/// untouched if it still runs); a share the daemon already has keeps its
+/// recorded limits and cgroup. Every other unit directory loses its clients
+/// and its daemon.
+pub(crate) fn reconcile(
+    setup: &MpsSetup,
+    keep: &BTreeMap<String, (MpsTarget, Vec<ClientSpec>)>,
+    fallback_uuid: &dyn Fn(&str) -> Option<String>,
+) -> Result<Reconciled, ClaimError> {
+    let mut shares = BTreeMap::new();
+    let mut kept = Vec::new();
+    let mut stopped = Vec::new();
+    let root = setup.config.mps_root();
+    let mut units: BTreeSet<String> = BTreeSet::new();
+    if let Ok(rd) = std::fs::read_dir(&root) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.file_type().is_ok_and(|t| t.is_dir())
+                && name.parse::<carve_model::DeviceName>().is_ok()
+            {
+                units.insert(name);
+            }
+        }
+    }
+    for (unit, (t, clients)) in keep {
+        let mut ctl =
+            MpsControl::open(&setup.config, &setup.support, t.clone()).map_err(mps_err(unit))?;
+        let wanted: BTreeSet<(String, String)> = clients
+            .iter()
+            .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+            .collect();
+        let stale: Vec<(String, String)> = ctl
+            .clients()
+            .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+            .filter(|k| !wanted.contains(k))
+            .collect();
+        let what = ctl.ensure_running().map_err(mps_err(unit))?;
+        for (c, s) in &stale {
+            ctl.remove_client(c, s).map_err(mps_err(unit))?;
+        }
+        for c in clients {
+            let key = (c.claim_uid.clone(), c.share_id.clone());
+            let got = match ctl.share(&c.claim_uid, &c.share_id) {
+                Some(s) => s,
+                None => {
+                    let e = ctl.add_client(c.clone()).map_err(mps_err(unit))?;
+                    (e, c.cgroup.clone())
+                }
+            };
+            shares.insert(key, got);
+        }
+        kept.push((unit.clone(), what));
+    }
+    for unit in units.difference(&keep.keys().cloned().collect()) {
+        let Some(uuid) = fallback_uuid(unit) else {
+            continue;
+        };
+        let t = MpsTarget {
+            unit: unit.clone(),
+            uuid,
+            pci_bus_id: None,
+            mig: unit
+                .parse::<carve_model::DeviceName>()
+                .is_ok_and(|n| n.mig_placement().is_some()),
+        };
+        let mut ctl = MpsControl::open(&setup.config, &setup.support, t).map_err(mps_err(unit))?;
+        let clients: Vec<(String, String)> = ctl
+            .clients()
+            .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+            .collect();
+        for (c, s) in &clients {
+            ctl.remove_client(c, s).map_err(mps_err(unit))?;
+        }
+        if ctl.stop_if_idle().map_err(mps_err(unit))? {
+            stopped.push(unit.clone());
+        }
+    }
+    Ok(Reconciled {
+        kept,
+        stopped,
+        shares,
+    })
+}
+
+/// Keep the daemons of `units` running: restart (with every share's limits
+/// re-applied) one that died. Returns what each unit needed.
+pub(crate) fn supervise(
+    setup: &MpsSetup,
+    units: &BTreeMap<String, MpsTarget>,
+) -> Vec<(String, Result<Ensure, ClaimError>)> {
+    units
+        .iter()
+        .map(|(unit, t)| {
+            let r = MpsControl::open(&setup.config, &setup.support, t.clone())
+                .and_then(|mut c| c.ensure_running())
+                .map_err(mps_err(unit));
+            (unit.clone(), r)
+        })
+        .collect()
+}
+
+/// The daemon target of a prepared device with an MPS share.
+pub(crate) fn target_of(d: &DeviceRecord, pci: &BTreeMap<u32, String>) -> Option<MpsTarget> {
+    target(d, pci.get(&d.gpu_index).map(String::as_str)).map(|(t, _)| t)
+}
+
+/// The client spec a prepared share corresponds to.
+pub(crate) fn client_of(claim_uid: &str, d: &DeviceRecord) -> Option<ClientSpec> {
+    let s = d.kind.mps()?;
+    Some(ClientSpec {
+        claim_uid: claim_uid.to_string(),
+        share_id: d.share_id.clone()?,
+        limits: s.limits,
+        cgroup: s.cgroup.clone(),
+    })
+}

@@ -1,0 +1,713 @@
+//! MPS shares through the real `Driver`: the NVML simulator library, the
+//! API-server stand-in, the fake `nvidia-cuda-mps-control` as a real child
+//! process, and a fake cgroup tree in a temp dir for MPS v3.
+//!
+//! Covered: several claims on one GPU (one daemon, one namespace per share,
+//! compute mode), claims on one MIG instance (created by the first share,
+//! destroyed after the last), v3 and v2, a daemon that dies and is restarted
+//! with its limits, a plugin restart with running claims (daemon adopted
+//! untouched), last-claim teardown, a crash between attaching and completing,
+//! and bad allocations (each a per-claim error that leaves no daemon and
+//! does not touch other claims).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use carve_apiserver::{ApiServer, Resource};
+use carve_gpu::{ComputeMode, ComputeTarget};
+use carve_mps::{MpsConfig, ProtocolChoice};
+use carve_plugin::{CdiSpec, ClaimRef, Driver, MpsSetup, PluginConfig, claim_spec_path};
+use common::*;
+use nvidia_ml_sim::GpuEntry;
+
+const FAKE: &str = env!("CARGO_BIN_EXE_carve-plugin-fake-mps-control");
+
+/// A node with MPS configured: `protocol` decides v2 or v3 (v3 needs the
+/// fake cgroup root, which this creates).
+fn mps_node(gpus: Vec<GpuEntry>, protocol: ProtocolChoice) -> Node {
+    let mut node = Node::new(gpus);
+    let d = node.dir.path().to_path_buf();
+    let cg = d.join("cgroup");
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::write(cg.join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+    let mut config = MpsConfig::new(d.join("state"));
+    config.control_binary = PathBuf::from(FAKE);
+    config.cgroup_root = cg;
+    config.protocol = protocol;
+    config.timeout = std::time::Duration::from_secs(10);
+    let support = carve_mps::detect(&config).unwrap();
+    node.config.mps = Some(MpsSetup { config, support });
+    node
+}
+
+fn setup(c: &PluginConfig) -> &MpsSetup {
+    c.mps.as_ref().unwrap()
+}
+
+/// A pod cgroup (cgroupfs layout, besteffort) for `pod`.
+fn make_pod_cgroup(node: &Node, pod: &str) -> PathBuf {
+    let rel = PathBuf::from(format!("kubepods/besteffort/pod{pod}"));
+    std::fs::create_dir_all(setup(&node.config).config.cgroup_root.join(&rel)).unwrap();
+    rel
+}
+
+/// An allocated claim with MPS shares: (device, shareID, memory, SMs), reserved for `pod`.
+fn put_mps(
+    api: &ApiServer,
+    name: &str,
+    uid: &str,
+    shares: &[(&str, &str, Option<(&str, &str)>)],
+    pod: Option<&str>,
+) -> ClaimRef {
+    let results: Vec<serde_json::Value> = shares
+        .iter()
+        .map(|(dev, share, cap)| {
+            let mut r = serde_json::json!({"request": "r", "driver": "gpu.carve.dev", "pool": NODE,
+                "device": dev, "shareID": share});
+            if let Some((m, sm)) = cap {
+                r["consumedCapacity"] = serde_json::json!({"memory": m, "multiprocessors": sm});
+            }
+            r
+        })
+        .collect();
+    let mut status = serde_json::json!({"allocation": {"devices": {"results": results}}});
+    if let Some(p) = pod {
+        status["reservedFor"] =
+            serde_json::json!([{"resource": "pods", "name": format!("pod-{name}"), "uid": p}]);
+    }
+    let obj = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": []}},
+        "status": status,
+    });
+    api.store().insert(Resource::ResourceClaims, obj).unwrap();
+    ClaimRef {
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+async fn start(node: &Node, api: &ApiServer) -> Driver {
+    let d = Driver::new(node.config.clone(), node.backend(), api.client())
+        .await
+        .unwrap();
+    d.recover().await.unwrap();
+    d
+}
+
+fn unit_dir(node: &Node, unit: &str) -> PathBuf {
+    setup(&node.config).config.mps_root().join(unit)
+}
+
+/// What the fake daemon of `unit` recorded.
+fn fake_log(node: &Node, unit: &str) -> String {
+    std::fs::read_to_string(unit_dir(node, unit).join("pipe").join(carve_mps::fake::LOG))
+        .unwrap_or_default()
+}
+
+fn daemon_pid(node: &Node, unit: &str) -> Option<u32> {
+    std::fs::read_to_string(unit_dir(node, unit).join("pipe").join(carve_mps::PID_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie (killed, not yet reaped) counts as gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')')
+            .next()
+            .is_some_and(|r| !r.trim_start().starts_with('Z'))
+    })
+}
+
+fn wait_gone(pid: u32) {
+    for _ in 0..500 {
+        if !alive(pid) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("pid {pid} still runs");
+}
+
+fn ok(
+    out: &[(
+        ClaimRef,
+        Result<Vec<carve_plugin::PreparedDevice>, carve_plugin::ClaimError>,
+    )],
+    uid: &str,
+) -> Vec<carve_plugin::PreparedDevice> {
+    match &out.iter().find(|(c, _)| c.uid == uid).unwrap().1 {
+        Ok(d) => d.clone(),
+        Err(e) => panic!("claim {uid}: {e}"),
+    }
+}
+
+fn err(
+    out: &[(
+        ClaimRef,
+        Result<Vec<carve_plugin::PreparedDevice>, carve_plugin::ClaimError>,
+    )],
+    uid: &str,
+) -> String {
+    match &out.iter().find(|(c, _)| c.uid == uid).unwrap().1 {
+        Ok(_) => panic!("claim {uid} prepared but should not"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn env_of(node: &Node, uid: &str) -> Vec<String> {
+    let spec = CdiSpec::read(&claim_spec_path(&node.config.cdi_dir, uid)).unwrap();
+    spec.devices[0].container_edits.env.clone()
+}
+
+const POD_A: &str = "0000000a-0000-0000-0000-00000000000a";
+const POD_B: &str = "0000000b-0000-0000-0000-00000000000b";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 2, false)],
+        ProtocolChoice::Auto,
+    );
+    assert_eq!(
+        setup(&node.config).support.protocol,
+        carve_mps::Protocol::V3
+    );
+    let api = api().await;
+    let driver = start(&node, &api).await;
+    let b = node.backend();
+    let uuid0 = b.gpus().unwrap()[0].uuid.clone();
+    let cg_a = make_pod_cgroup(&node, POD_A);
+    let cg_b = make_pod_cgroup(&node, POD_B);
+
+    let a = put_mps(
+        &api,
+        "a",
+        "u-a",
+        &[("gpu-0-mps", "s-a", Some(("20Gi", "30")))],
+        Some(POD_A),
+    );
+    let c = put_mps(
+        &api,
+        "c",
+        "u-c",
+        &[("gpu-0-mps", "s-c", Some(("10000Mi", "17")))],
+        Some(POD_B),
+    );
+    let out = driver.prepare(vec![a.clone(), c.clone()]).await;
+    let da = ok(&out, "u-a");
+    let dc = ok(&out, "u-c");
+    assert_ne!(da[0].cdi_device_ids, dc[0].cdi_device_ids);
+    assert!(
+        da[0].cdi_device_ids[0].ends_with("u-a-gpu-0-mps-s-a"),
+        "{da:?}"
+    );
+
+    // One daemon, v3, on GPU 0 only; one namespace per share with its limits
+    // (memory rounded up to the 256 MiB step, SMs to the step of 2, as a
+    // percentage of the H100's 132 SMs), bound to the pod cgroup.
+    let log = fake_log(&node, "gpu-0-mps");
+    assert_eq!(log.matches("start pid=").count(), 1, "{log}");
+    assert!(log.contains("protocol=3"), "{log}");
+    assert!(
+        log.contains(&format!("env CUDA_VISIBLE_DEVICES={uuid0}")),
+        "{log}"
+    );
+    let root = &setup(&node.config).config.cgroup_root;
+    assert!(
+        log.contains(&format!(
+            "namespace create --server=carve --name=u-a.s-a --cgroup={} --pinned-memory-limit={uuid0}=20480M --active-thread-percentage=23",
+            root.join(&cg_a).display()
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "--name=u-c.s-c --cgroup={} --pinned-memory-limit={uuid0}=10240M --active-thread-percentage=14",
+            root.join(&cg_b).display()
+        )),
+        "{log}"
+    );
+    // Server-side limits: the container gets the pipe, not limit variables.
+    let env = env_of(&node, "u-a");
+    assert!(
+        env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid0}")),
+        "{env:?}"
+    );
+    assert!(env.contains(&"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string()));
+    assert!(
+        !env.iter().any(|e| e.starts_with("CUDA_MPS_PINNED")),
+        "{env:?}"
+    );
+    let spec = CdiSpec::read(&claim_spec_path(&node.config.cdi_dir, "u-a")).unwrap();
+    let m = &spec.devices[0].container_edits.mounts;
+    assert_eq!(m.len(), 1);
+    assert_eq!(
+        Path::new(&m[0].host_path),
+        unit_dir(&node, "gpu-0-mps").join("pipe")
+    );
+    assert_eq!(m[0].container_path, "/tmp/nvidia-mps");
+    // Compute mode and status.
+    assert_eq!(
+        b.compute_mode(ComputeTarget::Gpu(0)).unwrap(),
+        ComputeMode::ExclusiveProcess
+    );
+    assert_eq!(
+        b.compute_mode(ComputeTarget::Gpu(1)).unwrap(),
+        ComputeMode::Default
+    );
+    let rc = api
+        .store()
+        .get(Resource::ResourceClaims, Some("default"), "a")
+        .unwrap();
+    let data = &rc["status"]["devices"][0]["data"];
+    assert_eq!(data["sharing"], "mps", "{rc}");
+    assert_eq!(data["mps"]["memoryLimitMiB"], 20480);
+    assert_eq!(data["mps"]["memoryLimit"], "hard");
+
+    // The whole GPU and its MIG devices are refused while shared; GPU 1 is fine.
+    let whole = put_claim(
+        &api,
+        "whole",
+        "u-whole",
+        &[("r", "gpu-0")],
+        serde_json::json!([]),
+    );
+    let mig = put_claim(
+        &api,
+        "mig",
+        "u-mig",
+        &[("r", "gpu-0-mig-1g10gb-0")],
+        serde_json::json!([]),
+    );
+    let other = put_claim(
+        &api,
+        "other",
+        "u-other",
+        &[("r", "gpu-1")],
+        serde_json::json!([]),
+    );
+    let out = driver.prepare(vec![whole, mig, other]).await;
+    assert!(
+        err(&out, "u-whole").contains("through MPS"),
+        "{}",
+        err(&out, "u-whole")
+    );
+    assert!(err(&out, "u-mig").contains("through MPS"));
+    ok(&out, "u-other");
+
+    // First unprepare: namespace gone, daemon stays; last: daemon quits,
+    // compute mode back to DEFAULT, nothing left.
+    let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    driver.unprepare_one("u-a").await.unwrap();
+    assert!(
+        fake_log(&node, "gpu-0-mps").contains("namespace delete --server=carve --name=u-a.s-a")
+    );
+    assert!(alive(pid));
+    driver.unprepare_one("u-c").await.unwrap();
+    wait_gone(pid);
+    assert!(fake_log(&node, "gpu-0-mps").contains("quit"));
+    assert_eq!(
+        b.compute_mode(ComputeTarget::Gpu(0)).unwrap(),
+        ComputeMode::Default
+    );
+    let snap = driver.snapshot().await;
+    assert!(snap.compute_mode_set_by_plugin.is_empty());
+    assert!(!snap.claims.contains_key("u-a") && !snap.claims.contains_key("u-c"));
+    assert!(!claim_spec_path(&node.config.cdi_dir, "u-c").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_mps_instance_lives_from_first_share_to_last() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 1, false)],
+        ProtocolChoice::V2,
+    );
+    let api = api().await;
+    let driver = start(&node, &api).await;
+    let b = node.backend();
+    let unit = "gpu-0-mig-1g10gb-3-mps";
+    let a = put_mps(&api, "a", "u-a", &[(unit, "s-a", Some(("4Gi", "8")))], None);
+    let c = put_mps(&api, "c", "u-c", &[(unit, "s-c", Some(("2Gi", "4")))], None);
+    ok(&driver.prepare(vec![a.clone()]).await, "u-a");
+    ok(&driver.prepare(vec![c.clone()]).await, "u-c");
+    // One GI at slice 3, shared; both claims name the same MIG UUID.
+    let gis = live(&*b, 0);
+    assert_eq!(gis.len(), 1, "{gis:?}");
+    assert_eq!(gis[0].placement.start, 3);
+    let mig_uuid = gis[0].compute_instances[0].mig_uuid.clone().unwrap();
+    for uid in ["u-a", "u-c"] {
+        let env = env_of(&node, uid);
+        assert!(
+            env.contains(&format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}")),
+            "{env:?}"
+        );
+        // v2: client-side limits in the variables.
+        assert!(
+            env.iter()
+                .any(|e| e.starts_with(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={mig_uuid}="))),
+            "{env:?}"
+        );
+    }
+    let log = fake_log(&node, unit);
+    assert!(log.contains("protocol=2"), "{log}");
+    assert!(
+        log.contains(&format!("env CUDA_VISIBLE_DEVICES={mig_uuid}")),
+        "{log}"
+    );
+    // v2 defaults are the largest share: 4 GiB.
+    assert!(
+        log.contains(&format!(
+            "cmd set_default_device_pinned_mem_limit {mig_uuid} 4096M"
+        )),
+        "{log}"
+    );
+    assert_eq!(
+        b.compute_mode(ComputeTarget::Mig {
+            gpu: 0,
+            gi: gis[0].id,
+            ci: gis[0].compute_instances[0].id
+        })
+        .unwrap(),
+        ComputeMode::ExclusiveProcess
+    );
+    // An exclusive MIG device overlapping the shared instance is refused.
+    let x = put_claim(
+        &api,
+        "x",
+        "u-x",
+        &[("r", "gpu-0-mig-2g20gb-2")],
+        serde_json::json!([]),
+    );
+    let out = driver.prepare(vec![x]).await;
+    assert!(
+        err(&out, "u-x").contains("occupied by claim default/a")
+            || err(&out, "u-x").contains("occupied by claim default/c"),
+        "{}",
+        err(&out, "u-x")
+    );
+
+    let pid = daemon_pid(&node, unit).unwrap();
+    driver.unprepare_one("u-a").await.unwrap();
+    assert_eq!(
+        live(&*b, 0).len(),
+        1,
+        "the instance stays for the other share"
+    );
+    assert!(alive(pid));
+    driver.unprepare_one("u-c").await.unwrap();
+    wait_gone(pid);
+    assert!(
+        live(&*b, 0).is_empty(),
+        "the last share's unprepare destroys the instance"
+    );
+    assert!(
+        !b.mig_mode(0).unwrap().current,
+        "MIG mode back off (the plugin enabled it)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_daemon_is_restarted_with_its_limits_and_a_restart_adopts_a_live_one() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 1, false)],
+        ProtocolChoice::Auto,
+    );
+    let api = api().await;
+    make_pod_cgroup(&node, POD_A);
+    let a = put_mps(
+        &api,
+        "a",
+        "u-a",
+        &[("gpu-0-mps", "s-a", Some(("8Gi", "10")))],
+        Some(POD_A),
+    );
+    let pid = {
+        let driver = start(&node, &api).await;
+        ok(&driver.prepare(vec![a.clone()]).await, "u-a");
+        let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+        // Supervision with a live daemon sends it nothing.
+        assert!(driver.supervise_mps().await.is_empty());
+        pid
+    };
+    // The plugin restarts: the running daemon is adopted untouched.
+    let before = fake_log(&node, "gpu-0-mps");
+    let driver = Driver::new(node.config.clone(), node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = driver.recover().await.unwrap();
+    assert_eq!(report.mps_units.len(), 1, "{report:?}");
+    assert_eq!(report.mps_units[0].1, carve_mps::Ensure::Adopted);
+    assert_eq!(daemon_pid(&node, "gpu-0-mps"), Some(pid));
+    assert!(alive(pid));
+    assert_eq!(
+        fake_log(&node, "gpu-0-mps"),
+        before,
+        "adoption sends nothing"
+    );
+
+    // The daemon dies: supervision restarts it and re-applies the share's namespace.
+    nix_kill(pid);
+    wait_gone(pid);
+    let out = driver.supervise_mps().await;
+    assert_eq!(out.len(), 1);
+    assert!(
+        matches!(out[0].1, Ok(carve_mps::Ensure::Restarted)),
+        "{out:?}"
+    );
+    let new_pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    assert_ne!(new_pid, pid);
+    let log = fake_log(&node, "gpu-0-mps");
+    assert_eq!(log.matches("--name=u-a.s-a").count(), 2, "{log}");
+    driver.unprepare_one("u-a").await.unwrap();
+    wait_gone(new_pid);
+}
+
+fn nix_kill(pid: u32) {
+    let st = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 2, false)],
+        ProtocolChoice::Auto,
+    );
+    let api = api().await;
+    let driver = start(&node, &api).await;
+    make_pod_cgroup(&node, POD_A);
+    let no_cap = put_mps(
+        &api,
+        "nocap",
+        "u-nocap",
+        &[("gpu-0-mps", "s1", None)],
+        Some(POD_A),
+    );
+    let beyond = put_mps(
+        &api,
+        "beyond",
+        "u-beyond",
+        &[("gpu-0-mps", "s2", Some(("200Gi", "10")))],
+        Some(POD_A),
+    );
+    let no_share = {
+        let obj = serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "noshare", "namespace": "default", "uid": "u-noshare"},
+            "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "r", "driver": "gpu.carve.dev", "pool": NODE, "device": "gpu-0-mps",
+                 "consumedCapacity": {"memory": "1Gi", "multiprocessors": "2"}}]}}}
+        });
+        api.store().insert(Resource::ResourceClaims, obj).unwrap();
+        ClaimRef {
+            namespace: "default".into(),
+            name: "noshare".into(),
+            uid: "u-noshare".into(),
+        }
+    };
+    // v3 needs the pod's cgroup: this pod has none.
+    let no_pod = put_mps(
+        &api,
+        "nopod",
+        "u-nopod",
+        &[("gpu-1-mps", "s3", Some(("1Gi", "2")))],
+        Some(POD_B),
+    );
+    let good = put_mps(
+        &api,
+        "good",
+        "u-good",
+        &[("gpu-1-mps", "s4", Some(("1Gi", "2")))],
+        Some(POD_A),
+    );
+    let out = driver
+        .prepare(vec![no_cap, beyond, no_share, no_pod, good])
+        .await;
+    assert!(
+        err(&out, "u-nocap").contains("no consumedCapacity"),
+        "{}",
+        err(&out, "u-nocap")
+    );
+    let e = err(&out, "u-beyond");
+    assert!(e.contains("gpu-0-mps") && e.contains("memory"), "{e}");
+    assert!(err(&out, "u-noshare").contains("no shareID"));
+    let e = err(&out, "u-nopod");
+    assert!(e.contains("no cgroup") && e.contains(POD_B), "{e}");
+    ok(&out, "u-good");
+    // No daemon on GPU 0 (every claim for it failed before starting one); GPU
+    // 1's daemon serves only the good claim, and its compute mode was set only there.
+    assert!(daemon_pid(&node, "gpu-0-mps").is_none());
+    let b = node.backend();
+    assert_eq!(
+        b.compute_mode(ComputeTarget::Gpu(0)).unwrap(),
+        ComputeMode::Default
+    );
+    let log = fake_log(&node, "gpu-1-mps");
+    assert!(!log.contains("u-nopod"), "{log}");
+    assert!(log.contains("u-good.s4"), "{log}");
+    let snap = driver.snapshot().await;
+    assert_eq!(snap.claims.keys().collect::<Vec<_>>(), ["u-good"]);
+
+    // The plugin without MPS: a clear per-claim error.
+    let mut plain = node.config.clone();
+    plain.mps = None;
+    plain.checkpoint_path = node.dir.path().join("other-checkpoint.json");
+    let d2 = Driver::new(plain, node.backend(), api.client())
+        .await
+        .unwrap();
+    let x = put_mps(
+        &api,
+        "x",
+        "u-x",
+        &[("gpu-0-mps", "s5", Some(("1Gi", "2")))],
+        Some(POD_A),
+    );
+    let out = d2.prepare(vec![x]).await;
+    assert!(err(&out, "u-x").contains("MPS is not enabled on this node"));
+    driver.unprepare_one("u-good").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_drops_a_share_whose_prepare_never_completed() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 1, false)],
+        ProtocolChoice::Auto,
+    );
+    let api = api().await;
+    make_pod_cgroup(&node, POD_A);
+    let a = put_mps(
+        &api,
+        "a",
+        "u-a",
+        &[("gpu-0-mps", "s-a", Some(("8Gi", "10")))],
+        Some(POD_A),
+    );
+    let driver = start(&node, &api).await;
+    ok(&driver.prepare(vec![a]).await, "u-a");
+    let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    drop(driver);
+    // Simulate a crash after the daemon took the share but before
+    // PrepareCompleted: mark the claim PrepareStarted in the checkpoint.
+    let path = &node.config.checkpoint_path;
+    let mut cp = carve_plugin::Checkpoint::load(path).unwrap().unwrap();
+    cp.body.claims.get_mut("u-a").unwrap().state = carve_plugin::ClaimState::PrepareStarted;
+    carve_plugin::Checkpoint::store(&cp.body, path, None).unwrap();
+
+    let driver = Driver::new(node.config.clone(), node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = driver.recover().await.unwrap();
+    assert_eq!(report.rolled_back, ["u-a"]);
+    assert_eq!(report.mps_stopped, ["gpu-0-mps"], "{report:?}");
+    assert_eq!(report.compute_mode_restored.len(), 1, "{report:?}");
+    wait_gone(pid);
+    let log = fake_log(&node, "gpu-0-mps");
+    assert!(
+        log.contains("namespace delete --server=carve --name=u-a.s-a"),
+        "{log}"
+    );
+    assert_eq!(
+        node.backend().compute_mode(ComputeTarget::Gpu(0)).unwrap(),
+        ComputeMode::Default
+    );
+    assert!(
+        driver
+            .snapshot()
+            .await
+            .compute_mode_set_by_plugin
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_checkpoint_is_rebuilt_with_the_daemons_shares() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 1, false)],
+        ProtocolChoice::Auto,
+    );
+    let api = api().await;
+    make_pod_cgroup(&node, POD_A);
+    let a = put_mps(
+        &api,
+        "a",
+        "u-a",
+        &[("gpu-0-mps", "s-a", Some(("8Gi", "10")))],
+        Some(POD_A),
+    );
+    let driver = start(&node, &api).await;
+    ok(&driver.prepare(vec![a]).await, "u-a");
+    let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    let cdi = claim_spec_path(&node.config.cdi_dir, "u-a");
+    let spec_before = CdiSpec::read(&cdi).unwrap();
+    drop(driver);
+    std::fs::write(&node.config.checkpoint_path, b"{ not json").unwrap();
+
+    let driver = Driver::new(node.config.clone(), node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = driver.recover().await.unwrap();
+    assert_eq!(report.adopted, ["u-a"], "{report:?}");
+    assert_eq!(report.mps_units[0].1, carve_mps::Ensure::Adopted);
+    assert_eq!(daemon_pid(&node, "gpu-0-mps"), Some(pid));
+    // The share's cgroup and container edits come back from the daemon's state.
+    let snap = driver.snapshot().await;
+    let share = snap.claims["u-a"].devices[0].kind.mps().unwrap().clone();
+    assert_eq!(
+        share.cgroup,
+        Some(PathBuf::from(format!("kubepods/besteffort/pod{POD_A}")))
+    );
+    assert_eq!(CdiSpec::read(&cdi).unwrap(), spec_before);
+    driver.unprepare_one("u-a").await.unwrap();
+    wait_gone(pid);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 1, false)],
+        ProtocolChoice::V2,
+    );
+    let api = api().await;
+    let driver = start(&node, &api).await;
+    let claim = |name: &str, uid: &str, need: &str| {
+        let obj = serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default", "uid": uid},
+            "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {
+                "results": [{"request": "r", "driver": "gpu.carve.dev", "pool": NODE,
+                    "device": "gpu-0-mps", "shareID": format!("s-{uid}"),
+                    "consumedCapacity": {"memory": "1Gi", "multiprocessors": "2"}}],
+                "config": [{"source": "FromClaim", "requests": ["r"], "opaque": {
+                    "driver": "gpu.carve.dev",
+                    "parameters": {"apiVersion": "gpu.carve.dev/v1alpha1", "kind": "MpsConfig", "memoryLimit": need}}}]
+            }}}
+        });
+        api.store().insert(Resource::ResourceClaims, obj).unwrap();
+        ClaimRef {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    };
+    let hard = claim("hard", "u-hard", "hard");
+    let client = claim("client", "u-client", "client");
+    let out = driver.prepare(vec![hard, client]).await;
+    let e = err(&out, "u-hard");
+    assert!(
+        e.contains("requires memoryLimit hard") && e.contains("enforces client"),
+        "{e}"
+    );
+    ok(&out, "u-client");
+    assert!(!fake_log(&node, "gpu-0-mps").contains("u-hard"));
+    driver.unprepare_one("u-client").await.unwrap();
+}

@@ -38,6 +38,9 @@ pub struct BenchConfig {
     pub max_load_pct: u32,
     /// Worker threads; 0 = available parallelism.
     pub threads: usize,
+    /// kube-scheduler's `percentageOfNodesToScore`: 0 = its compiled-in
+    /// adaptive default (41 % of 1,213 nodes), 100 = score every feasible node.
+    pub nodes_to_score_pct: u32,
 }
 
 impl BenchConfig {
@@ -54,6 +57,7 @@ impl BenchConfig {
             policies: Policy::ALL.to_vec(),
             max_load_pct: 130,
             threads: 0,
+            nodes_to_score_pct: 0,
         }
     }
 
@@ -141,6 +145,9 @@ pub struct BenchReport {
     pub internal: InternalFrag,
     /// Every sample: policy × seed × load point (1..=max).
     pub samples: Vec<Sample>,
+    /// Feasible nodes the modelled scheduler finds and scores per task
+    /// (`percentageOfNodesToScore`).
+    pub nodes_to_find: usize,
 }
 
 /// Which figure of a sample to summarise.
@@ -336,6 +343,7 @@ pub(crate) struct Prepared {
     pub gpus: u64,
     pub compute_capacity: u64,
     pub memory_capacity: u64,
+    pub nodes_to_find: usize,
 }
 
 impl Prepared {
@@ -347,6 +355,7 @@ impl Prepared {
             profiles: &self.profiles,
             classes: self.mapper.classes().len(),
             compute_capacity: self.compute_capacity,
+            nodes_to_find: self.nodes_to_find,
         }
     }
 }
@@ -411,6 +420,7 @@ pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
     let compute_capacity = gpus * u64::from(spec.compute_slices);
     let memory_capacity = gpus * u64::from(spec.memory_slices);
     let profiles = mapper.profiles();
+    let nodes_to_find = crate::sim::nodes_to_find(caps.len(), cfg.nodes_to_score_pct);
     Ok(Prepared {
         model,
         spec,
@@ -423,6 +433,7 @@ pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
         gpus,
         compute_capacity,
         memory_capacity,
+        nodes_to_find,
     })
 }
 
@@ -522,6 +533,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, FragError> {
         classes: pr.mapper.classes().to_vec(),
         internal: pr.mapper.internal(&pr.spec, &pr.tasks),
         samples,
+        nodes_to_find: pr.nodes_to_find,
     })
 }
 
@@ -644,7 +656,18 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  node choice: kube-scheduler defaults: filter CPU, RAM and a free device; score NodeResourcesFit LeastAllocated (cpu, memory) + NodeResourcesBalancedAllocation, weight 1 each; ties broken at random (seeded); every feasible node scored"
+            "  node choice: kube-scheduler defaults, the same for every policy: filter CPU, RAM and a free device (DynamicResources), round-robin from where the last search stopped, until {} feasible nodes are found (percentageOfNodesToScore{}); score them with NodeResourcesFit LeastAllocated (cpu, memory) + NodeResourcesBalancedAllocation, weight 1 each (DynamicResources has no score for single-request claims); ties broken at random (seeded)",
+            self.nodes_to_find,
+            if self.nodes_to_find >= self.nodes {
+                ": every node".to_string()
+            } else {
+                format!(
+                    ": {:.0} % of {} nodes; kube's default for this size is {}",
+                    100.0 * self.nodes_to_find as f64 / self.nodes as f64,
+                    self.nodes,
+                    crate::sim::nodes_to_find(self.nodes, 0)
+                )
+            }
         )?;
         writeln!(
             f,
@@ -836,6 +859,7 @@ mod tests {
             profiles: &profiles,
             classes: mapper.classes().len(),
             compute_capacity: cap,
+            nodes_to_find: crate::sim::nodes_to_find(caps.len(), 0),
         };
         let seq = draw_sequence(&demands, 44, cap, 130);
         for pol in Policy::ALL {

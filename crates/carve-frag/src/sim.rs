@@ -410,6 +410,32 @@ pub(crate) struct World<'a> {
     pub profiles: &'a [usize],
     pub classes: usize,
     pub compute_capacity: u64,
+    /// Feasible nodes the scheduler looks for before it stops filtering and
+    /// scores them ([`nodes_to_find`]); `nodes.len()` = every feasible node.
+    pub nodes_to_find: usize,
+}
+
+/// kube-scheduler's `numFeasibleNodesToFind`: how many feasible nodes it
+/// finds (and then scores) before it stops filtering. `pct` is the
+/// `percentageOfNodesToScore` setting; 0 is the compiled-in default, an
+/// adaptive `max(50 - nodes/125, 5)` %, and at least 100 nodes
+/// (`minFeasibleNodesToFind`); clusters under 100 nodes and `pct` ≥ 100
+/// search every node. 1,213 nodes: 41 % → 497.
+#[must_use]
+pub fn nodes_to_find(num_all: usize, pct: u32) -> usize {
+    const MIN_FEASIBLE_NODES_TO_FIND: usize = 100;
+    const MIN_FEASIBLE_NODES_PERCENTAGE_TO_FIND: usize = 5;
+    if num_all < MIN_FEASIBLE_NODES_TO_FIND || pct >= 100 {
+        return num_all;
+    }
+    let pct = if pct == 0 {
+        50usize
+            .saturating_sub(num_all / 125)
+            .max(MIN_FEASIBLE_NODES_PERCENTAGE_TO_FIND)
+    } else {
+        pct as usize
+    };
+    (num_all * pct / 100).max(MIN_FEASIBLE_NODES_TO_FIND)
 }
 
 /// The state of one replay.
@@ -425,6 +451,9 @@ pub(crate) struct Replay<'a, 'w> {
     carve_starts: Vec<Vec<u8>>,
     t: Totals,
     rng: SplitMix64,
+    /// Where the next node search starts (kube-scheduler's
+    /// `nextStartNodeIndex`, round-robin over the node list).
+    next_start: usize,
     log: Option<Vec<Placed>>,
 }
 
@@ -499,6 +528,7 @@ impl<'a, 'w> Replay<'a, 'w> {
                 ..Totals::default()
             },
             rng: SplitMix64::new(seed ^ 0x7135_b4ea_c0ff_ee00),
+            next_start: 0,
             log: log.then(Vec::new),
         }
     }
@@ -584,13 +614,27 @@ impl<'a, 'w> Replay<'a, 'w> {
         fit + balanced
     }
 
+    /// kube-scheduler's node choice: filter nodes round-robin from where the
+    /// last search stopped until `nodes_to_find` feasible ones are found (or
+    /// every node was tried), score those, take the best (ties at random, as
+    /// `selectHost` does), and start the next search after the last node
+    /// processed.
     fn choose_node(&mut self, d: &Demand) -> Option<usize> {
         let mut best: Option<(i64, usize)> = None;
         let mut ties = 0u64;
-        for node in 0..self.nodes.len() {
+        let n = self.nodes.len();
+        let want = self.w.nodes_to_find.max(1);
+        let (start, mut processed, mut found) = (self.next_start, 0usize, 0usize);
+        for k in 0..n {
+            if found >= want {
+                break;
+            }
+            let node = (start + k) % n;
+            processed += 1;
             if !self.feasible(node, d) {
                 continue;
             }
+            found += 1;
             let s = self.score(node, d);
             match best {
                 Some((b, _)) if s < b => {}
@@ -605,6 +649,9 @@ impl<'a, 'w> Replay<'a, 'w> {
                     ties = 1;
                 }
             }
+        }
+        if n > 0 {
+            self.next_start = (start + processed) % n;
         }
         best.map(|(_, n)| n)
     }
@@ -876,6 +923,7 @@ mod tests {
             profiles: &profiles,
             classes: 2,
             compute_capacity: 14,
+            nodes_to_find: 1,
         };
         let seq = [0, 0, 1, 1];
         let (p3, p4) = (pidx(&s, "3g.40gb"), pidx(&s, "4g.40gb"));
@@ -939,6 +987,7 @@ mod tests {
             profiles: &profiles,
             classes: 3,
             compute_capacity: 7,
+            nodes_to_find: 1,
         };
         let (p2, p3) = (pidx(&s, "2g.20gb"), pidx(&s, "3g.40gb"));
         let carve = replay(&w, Policy::Carve, 1, &[1, 1, 2], 1000, true);
@@ -983,6 +1032,58 @@ mod tests {
                 "{pol}"
             );
         }
+    }
+
+    #[test]
+    fn nodes_to_find_matches_kube_scheduler() {
+        // max(50 - n/125, 5) % of n, at least 100; all under 100 nodes.
+        assert_eq!(nodes_to_find(1213, 0), 497);
+        assert_eq!(nodes_to_find(99, 0), 99);
+        assert_eq!(nodes_to_find(100, 0), 100);
+        assert_eq!(nodes_to_find(5000, 0), 500);
+        assert_eq!(nodes_to_find(10_000, 0), 500);
+        assert_eq!(nodes_to_find(1213, 100), 1213);
+        assert_eq!(nodes_to_find(1213, 10), 121);
+        assert_eq!(nodes_to_find(1000, 5), 100);
+    }
+
+    /// Three nodes, the middle one without room for the task's CPU; the
+    /// scheduler stops at the first feasible node and the next search starts
+    /// after the last node it processed: 0, 2 (1 skipped), 0, 2. Scoring every
+    /// node instead spreads by LeastAllocated: the second task avoids node 0.
+    #[test]
+    fn node_search_is_round_robin_and_stops_at_nodes_to_find() {
+        let s = h100();
+        let demands = vec![demand(&s, "1g.10gb", 0)];
+        let node = |cpu_milli| NodeCap {
+            cpu_milli,
+            memory_mib: 1 << 20,
+            gpus: 1,
+        };
+        let nodes = vec![node(64_000), node(500), node(64_000)];
+        let profiles = vec![pidx(&s, "1g.10gb")];
+        let mut w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 1,
+            compute_capacity: 21,
+            nodes_to_find: 1,
+        };
+        let chosen = |w: &World<'_>| -> Vec<usize> {
+            replay(w, Policy::Carve, 3, &[0, 0, 0, 0], 1000, true)
+                .log
+                .iter()
+                .map(|l| l.1)
+                .collect()
+        };
+        assert_eq!(chosen(&w), vec![0, 2, 0, 2]);
+        w.nodes_to_find = 3;
+        let all = chosen(&w);
+        assert_eq!(all.len(), 4);
+        assert!(all.iter().all(|&n| n != 1), "{all:?}");
+        assert_ne!(all[0], all[1], "LeastAllocated spreads: {all:?}");
     }
 
     #[test]

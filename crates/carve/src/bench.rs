@@ -37,6 +37,11 @@ pub struct FragBench {
     /// Arrived load to stop at, in % of capacity.
     #[arg(long, default_value_t = 130)]
     max_load: u32,
+    /// Feasible nodes the scheduler looks for before scoring, in % of the
+    /// nodes (kube-scheduler's percentageOfNodesToScore); 0 = its adaptive
+    /// default (497 of 1,213 nodes), 100 = score every feasible node.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    nodes_to_score_pct: u32,
     /// Write one CSV row per policy x seed x load point.
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
@@ -85,6 +90,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
             cfg.model = a.model;
             cfg.sample_nodes_pct = a.sample_nodes;
             cfg.max_load_pct = a.max_load;
+            cfg.nodes_to_score_pct = a.nodes_to_score_pct;
             if a.churn {
                 let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
                 print!("{report}");

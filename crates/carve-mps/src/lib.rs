@@ -11,9 +11,11 @@
 //! instance creation and the checkpoint (`carve-plugin`). Blocking code; call
 //! it from `spawn_blocking`.
 //!
-//! The `carve-fake-mps-control` binary stands in for `nvidia-cuda-mps-control`
-//! in tests: it speaks v2 stdin commands and the v3 verbs of [`control::v3`],
-//! records what it gets, and crashes on request.
+//! [`fake`] stands in for `nvidia-cuda-mps-control` in tests and `carve
+//! simulate` (as the `carve-fake-mps-control` binary of this crate, or the
+//! `carve` binary run through a link of that name): it speaks v2 stdin
+//! commands and the v3 verbs of [`control::v3`], records what it gets, and
+//! crashes on request.
 
 pub mod cdi;
 pub mod cgroup;

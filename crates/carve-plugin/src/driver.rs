@@ -104,8 +104,9 @@ pub enum ClaimError {
         /// The cgroup root searched.
         root: PathBuf,
     },
-    /// The MPS control daemon refused or failed.
-    #[error("device {device}: {source}")]
+    /// The MPS control daemon refused or failed (the error names the unit,
+    /// which is the device).
+    #[error("{source}")]
     Mps {
         /// Device.
         device: String,

@@ -389,6 +389,16 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         }
         let mut desired = slices::build_slices(&inv.gpus, &opts)?;
         drop_devices(&mut desired, &inv.unusable_whole);
+        if opts.sharing.mig_mps && !args.sharing.contains(&SharingKind::Mps) {
+            // MIG-MPS needs the node's MPS capabilities in the options, which
+            // also publish the whole-GPU MPS devices: not asked for here.
+            let whole_mps: Vec<String> = inv
+                .gpus
+                .iter()
+                .map(|g| carve_model::DeviceName::Mps { gpu: g.gpu.index }.to_string())
+                .collect();
+            drop_devices(&mut desired, &whole_mps);
+        }
         let max_taints = match layout {
             KubeLayout::V134 => carve_plugin::health::MAX_TAINTS_PER_DEVICE_1_34,
             KubeLayout::V135Plus => carve_plugin::health::MAX_TAINTS_PER_DEVICE,

@@ -5,11 +5,13 @@ use std::fmt::Write as _;
 
 use carve_model::GpuSpec;
 use carve_model::geometry::{Instance, Occupancy};
+use carve_model::sharing::Sharing;
 
 /// One MIG instance on a GPU and who holds it.
 #[derive(Clone, Debug)]
 pub struct Held {
-    /// Short label of the holder (claim name).
+    /// Short label of the holder (claim name; several, `+`-joined, for an
+    /// instance shared through MPS).
     pub holder: String,
     /// Profile name.
     pub profile: String,
@@ -26,8 +28,38 @@ pub struct GpuPicture {
     pub spec: GpuSpec,
     /// Instances on it.
     pub held: Vec<Held>,
-    /// The whole GPU is held (by this holder), not partitioned.
-    pub whole: Option<String>,
+    /// The whole GPU is held, not partitioned.
+    pub whole: Option<Whole>,
+}
+
+/// Who holds a whole GPU, and how.
+#[derive(Clone, Debug)]
+pub struct Whole {
+    /// Claim names, in the order they got it.
+    pub holders: Vec<String>,
+    /// One claim alone, or shares through MPS or time-slicing.
+    pub sharing: Sharing,
+}
+
+impl Whole {
+    /// The letter the picture uses.
+    fn letter(&self) -> char {
+        match self.sharing {
+            Sharing::Exclusive => 'W',
+            Sharing::Mps => 'M',
+            Sharing::Timeslice => 'T',
+        }
+    }
+
+    /// `whole-gpu (whole GPU)`, `a, b (whole GPU shared through MPS)`.
+    fn describe(&self) -> String {
+        let how = match self.sharing {
+            Sharing::Exclusive => "whole GPU",
+            Sharing::Mps => "whole GPU shared through MPS",
+            Sharing::Timeslice => "whole GPU, time-sliced",
+        };
+        format!("{} ({how})", self.holders.join(", "))
+    }
 }
 
 /// State of one memory slice.
@@ -81,7 +113,10 @@ impl GpuPicture {
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         if !self.spec.mig_capable {
-            let who = self.whole.as_deref().unwrap_or("free");
+            let who = self
+                .whole
+                .as_ref()
+                .map_or_else(|| "free".to_string(), Whole::describe);
             let _ = writeln!(
                 out,
                 "{} ({}): not MIG-capable, whole GPU: {who}",
@@ -108,7 +143,7 @@ impl GpuPicture {
         for (s, c) in cells.iter().enumerate() {
             let label = match c {
                 Cell::Held(k) => letter(*k).to_string(),
-                Cell::Whole => "W".into(),
+                Cell::Whole => self.whole.as_ref().map_or('W', Whole::letter).to_string(),
                 Cell::Free => ".".into(),
                 Cell::Stranded => "x".into(),
             };
@@ -128,7 +163,7 @@ impl GpuPicture {
             );
         }
         if let Some(w) = &self.whole {
-            let _ = writeln!(out, "   W = {w} (whole GPU)");
+            let _ = writeln!(out, "   {} = {}", w.letter(), w.describe());
         }
         out
     }
@@ -191,7 +226,10 @@ pub fn to_svg(gpus: &[GpuPicture]) -> String {
                     COLORS[*k % COLORS.len()],
                     format!("{} {}", g.held[*k].holder, g.held[*k].profile),
                 ),
-                Cell::Whole => (COLORS[0], g.whole.clone().unwrap_or_default()),
+                Cell::Whole => (
+                    COLORS[0],
+                    g.whole.as_ref().map(Whole::describe).unwrap_or_default(),
+                ),
                 Cell::Free => ("#dddddd", "free".into()),
                 Cell::Stranded => ("#f4cccc", "stranded".into()),
             };
@@ -238,6 +276,30 @@ mod tests {
         assert!(t.contains("stranded 1 memory / 0 compute"), "{t}");
         assert!(t.contains(" x "), "slice 7 is stranded: {t}");
         assert!(t.contains("G = c6 1g.10gb at slice 6"), "{t}");
+    }
+
+    #[test]
+    fn a_shared_whole_gpu_names_every_holder_and_how() {
+        let g = |key: &str, sharing| GpuPicture {
+            name: "gpu-3".into(),
+            spec: GpuModel::find(key).unwrap().spec(),
+            held: vec![],
+            whole: Some(Whole {
+                holders: vec!["a".into(), "b".into()],
+                sharing,
+            }),
+        };
+        let t = g("a100-40gb", Sharing::Mps).to_text();
+        assert!(t.contains("8/8 memory slices used"), "{t}");
+        assert!(t.contains("|  M  |  M  |"), "{t}");
+        assert!(t.contains("M = a, b (whole GPU shared through MPS)"), "{t}");
+        let t = g("l4", Sharing::Timeslice).to_text();
+        assert!(
+            t.contains("not MIG-capable, whole GPU: a, b (whole GPU, time-sliced)"),
+            "{t}"
+        );
+        let svg = to_svg(&[g("h100", Sharing::Exclusive)]);
+        assert!(svg.contains("a, b (whole"), "{svg}");
     }
 
     #[test]

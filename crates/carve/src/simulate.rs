@@ -3,27 +3,39 @@
 //! Unix sockets), the API-server stand-in (in-process), the offline allocator
 //! acting as the scheduler, and a fake kubelet: every claim is allocated,
 //! prepared, shown on a picture of the GPUs, then released, and the run ends
-//! by checking that no GPU instance is left.
+//! by checking that no GPU instance and no MPS control daemon is left.
 //!
-//! It is not a cluster: one node, no pods, no scheduler scoring, no kubelet
-//! beyond registration, prepare and unprepare. Claims that do not fit, or whose
-//! device class has no published device, are reported and do not fail the run
-//! (exit 0); a failed prepare or unprepare, a leaked GPU instance or CDI spec,
-//! and bad input do (exit 1).
+//! MPS shares run on the fake `nvidia-cuda-mps-control` ([`carve_mps::fake`]:
+//! this executable under that name, through a link in the temporary
+//! directory), with a fake cgroup v2 tree standing in for `/sys/fs/cgroup`.
+//! What simulate shows of a share (daemon, limits, enforcement, container
+//! edits) is read back from what the plugin wrote and what the fake daemon
+//! received, not computed here.
+//!
+//! It is not a cluster: one node, no scheduler scoring, no kubelet beyond
+//! registration, prepare and unprepare; each claim is reserved for a made-up
+//! pod that is only a UID and a cgroup directory. Claims that do not fit, or
+//! whose device class has no published device, are reported and do not fail
+//! the run (exit 0); a failed prepare or unprepare, an MPS share the plugin
+//! did not set up as it reported, a leaked GPU instance, CDI spec or MPS
+//! daemon, and bad input do (exit 1).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail};
 use carve_alloc::{AllocError, Allocator, Inputs, Object};
 use carve_apiserver::{ApiServer, KubeVersion, Options, Resource, Store};
 use carve_model::names::DeviceName;
+use carve_model::sharing::Sharing;
 use carve_model::slices::{self, KubeLayout};
 use carve_model::{DRIVER_NAME, GpuModel, GpuSpec};
+use carve_mps::{ClientSpec, DaemonIdentity};
 use carve_plugin::ClaimRef;
 use carve_plugin::testing::FakeKubelet;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
@@ -31,7 +43,7 @@ use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
 
-use crate::render::{GpuPicture, Held, to_svg};
+use crate::render::{GpuPicture, Held, Whole, to_svg};
 
 /// Node name of the simulated node (also its pool name).
 const NODE: &str = "sim-node";
@@ -53,7 +65,9 @@ const EXPLAIN_LINES: usize = 8;
 /// as a scheduler sees claims arriving in this order. The one with a
 /// same-GPU constraint comes early; applied after `mig-by-memory` and
 /// `mig-first-available` it does not fit on the default node (the static
-/// device order spreads those two over both H100s).
+/// device order spreads those two over both H100s). The MIG claims fill both
+/// H100s; `whole-gpu`, the two MPS shares (one GPU, one daemon) and
+/// `timeslice` each need a GPU of their own: the A100s.
 const EXAMPLES: &[(&str, &str)] = &[
     (
         "examples/mig-1g/claim.yaml",
@@ -94,9 +108,27 @@ pub struct SimulateArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
     /// Every GPU starts with MIG mode off: on Hopper and newer the plugin turns it
     /// on when a claim needs it; an Ampere GPU (where that needs a reset) is
-    /// published as a whole GPU only.
-    #[arg(long, default_value = "h100-80gb:2,a100-40gb:1")]
+    /// published as a whole GPU only. The default has room for every example: the
+    /// MIG ones on the H100s, the whole GPU, the MPS shares and the time-sliced
+    /// GPU on one A100 each.
+    #[arg(long, default_value = "h100-80gb:2,a100-40gb:3")]
     pub gpus: String,
+    /// Shared devices the plugin publishes besides MIG partitions and whole GPUs
+    /// (its `--sharing`): `mps` (MPS shares of a whole GPU), `mig-mps` (of a MIG
+    /// partition), `timeslice`, or `none`. MPS runs on a fake
+    /// `nvidia-cuda-mps-control` and a fake cgroup tree.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values = ["mps", "timeslice"]
+    )]
+    pub sharing: Vec<SimSharing>,
+    /// MPS control protocol the plugin uses (its `--mps-protocol`): `v3` binds a
+    /// namespace per share to the pod's cgroup (hard limits); `v2` leaves the
+    /// per-share limits to client variables; `auto` takes the strongest.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub mps_protocol: MpsProtocol,
     /// Claims to apply instead of the built-in examples: a directory of claim YAML
     /// files (`*.yaml`, `*.yml`) or of subdirectories holding `claim.yaml`, applied
     /// in name order. DeviceClasses found there are added to the built-in ones.
@@ -116,6 +148,51 @@ pub struct SimulateArgs {
     /// next to this executable and in its `deps/` directory (where cargo builds it).
     #[arg(long)]
     pub nvml_sim_lib: Option<PathBuf>,
+}
+
+/// A kind of shared device for `--sharing`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SimSharing {
+    /// MPS shares of a whole GPU.
+    Mps,
+    /// MPS shares of a MIG partition.
+    MigMps,
+    /// Time-sliced whole GPUs.
+    Timeslice,
+    /// No shared devices.
+    None,
+}
+
+impl SimSharing {
+    fn flag(self) -> Option<&'static str> {
+        match self {
+            Self::Mps => Some("mps"),
+            Self::MigMps => Some("mig-mps"),
+            Self::Timeslice => Some("timeslice"),
+            Self::None => None,
+        }
+    }
+}
+
+/// `--mps-protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MpsProtocol {
+    /// The strongest the fake supports (v3).
+    Auto,
+    /// Legacy: daemon-wide defaults and client variables.
+    V2,
+    /// Namespaces bound to pod cgroups.
+    V3,
+}
+
+impl MpsProtocol {
+    fn flag(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::V2 => "v2",
+            Self::V3 => "v3",
+        }
+    }
 }
 
 /// A claim and where it came from.
@@ -165,7 +242,7 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
     let lib = find_sim_lib(args.nvml_sim_lib.as_deref())?;
     let exe = std::env::current_exe()
         .context("locating this executable (to run `carve kubelet-plugin`)")?;
-    let node = Node::create(&models, &lib)?;
+    let node = Node::create(&models, &lib, &exe)?;
     if args.keep {
         say(&format!(
             "temporary directory (kept): {}",
@@ -423,10 +500,17 @@ struct Node {
     mig_at_start: Vec<bool>,
     /// The models as given (`h100-80gb:2,...`), canonical keys.
     models: Vec<(String, u32)>,
+    /// `bin/carve-fake-mps-control`: a link to this executable, the plugin's
+    /// `--mps-control`.
+    fake_mps: PathBuf,
+    /// The fake cgroup v2 root (`--cgroup-root`), with the made-up pods' cgroups.
+    cgroup_root: PathBuf,
+    /// MPS daemons seen during the run: unit, identity.
+    daemons_seen: Mutex<BTreeSet<(String, u32, u64)>>,
 }
 
 impl Node {
-    fn create(models: &[(String, u32)], lib: &Path) -> anyhow::Result<Self> {
+    fn create(models: &[(String, u32)], lib: &Path, exe: &Path) -> anyhow::Result<Self> {
         let tmp = std::env::temp_dir();
         // A short base path: socket paths must fit in sockaddr_un (108 bytes).
         let dir = tempfile::Builder::new()
@@ -445,6 +529,13 @@ impl Node {
         let state_dir = sub("state")?;
         let lib_dir = sub("lib")?;
         let sim_dir = sub("sim")?;
+        let fake_mps = sub("bin")?.join(carve_mps::fake::PROGRAM);
+        std::os::unix::fs::symlink(exe, &fake_mps)
+            .with_context(|| format!("linking {} to {}", fake_mps.display(), exe.display()))?;
+        let cgroup_root = sub("cgroup")?;
+        let controllers = cgroup_root.join("cgroup.controllers");
+        std::fs::write(&controllers, "cpu memory pids\n")
+            .with_context(|| format!("writing {}", controllers.display()))?;
         let nvml_lib = lib_dir.join(SIM_LIB);
         std::fs::copy(lib, &nvml_lib)
             .with_context(|| format!("copying {} to {}", lib.display(), nvml_lib.display()))?;
@@ -474,7 +565,23 @@ impl Node {
             specs,
             mig_at_start,
             models: models.to_vec(),
+            fake_mps,
+            cgroup_root,
+            daemons_seen: Mutex::new(BTreeSet::new()),
         })
+    }
+
+    /// `<state-dir>/mps`: one directory per MPS unit (device).
+    fn mps_root(&self) -> PathBuf {
+        self.state_dir.join("mps")
+    }
+
+    /// `path` relative to the temporary directory, for shorter lines.
+    fn short(&self, path: &Path) -> String {
+        path.strip_prefix(self.dir.path())
+            .unwrap_or(path)
+            .display()
+            .to_string()
     }
 
     fn registration_socket(&self) -> PathBuf {
@@ -486,7 +593,7 @@ impl Node {
     }
 
     /// The `carve kubelet-plugin` command line.
-    fn plugin_args(&self, api_url: &str) -> Vec<std::ffi::OsString> {
+    fn plugin_args(&self, api_url: &str, args: &SimulateArgs) -> Vec<std::ffi::OsString> {
         let mut v: Vec<std::ffi::OsString> = Vec::new();
         let mut arg = |k: &str, val: &std::ffi::OsStr| {
             v.push(k.into());
@@ -501,6 +608,20 @@ impl Node {
         arg("--nvml-lib", self.nvml_lib.as_os_str());
         arg("--kube-api-url", api_url.as_ref());
         arg("--metrics-addr", "127.0.0.1:0".as_ref());
+        let mut kinds: Vec<&str> = args.sharing.iter().filter_map(|k| k.flag()).collect();
+        kinds.dedup();
+        if !kinds.is_empty() {
+            arg("--sharing", kinds.join(",").as_ref());
+        }
+        if args
+            .sharing
+            .iter()
+            .any(|k| matches!(k, SimSharing::Mps | SimSharing::MigMps))
+        {
+            arg("--mps-control", self.fake_mps.as_os_str());
+            arg("--mps-protocol", args.mps_protocol.flag().as_ref());
+            arg("--cgroup-root", self.cgroup_root.as_os_str());
+        }
         let mut out: Vec<std::ffi::OsString> = vec!["kubelet-plugin".into()];
         out.extend(v);
         out
@@ -526,7 +647,7 @@ struct Plugin {
 }
 
 impl Plugin {
-    fn spawn(exe: &Path, node: &Node, api_url: &str) -> anyhow::Result<Self> {
+    fn spawn(exe: &Path, node: &Node, api_url: &str, args: &SimulateArgs) -> anyhow::Result<Self> {
         let log = node.plugin_log();
         let out =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -534,7 +655,7 @@ impl Plugin {
             .try_clone()
             .with_context(|| format!("duplicating {}", log.display()))?;
         let mut cmd = Command::new(exe);
-        cmd.args(node.plugin_args(api_url))
+        cmd.args(node.plugin_args(api_url, args))
             .env(nvidia_ml_sim::CONFIG_ENV, &node.sim_config_path)
             .stdin(Stdio::null())
             .stdout(out)
@@ -662,6 +783,47 @@ struct PreparedDevice {
     cdi_ids: Vec<String>,
     /// `status.devices[].data` the plugin wrote, if any.
     data: Option<serde_json::Value>,
+    /// `shareID` of the allocation result (shareable devices).
+    share_id: Option<String>,
+    /// For an MPS share: what the plugin and the daemon say about it.
+    mps: Option<MpsShare>,
+}
+
+/// The made-up pod a claim is reserved for (`status.reservedFor`): a UID and
+/// a cgroup directory in the fake cgroup tree, as the kubelet creates it
+/// before it prepares the pod's claims.
+#[derive(Debug, Clone)]
+struct Pod {
+    name: String,
+    uid: String,
+    /// Its cgroup, relative to the cgroup root.
+    cgroup: PathBuf,
+}
+
+impl Pod {
+    /// A new pod for claim `claim` with a fresh UID and its cgroup directory
+    /// (cgroupfs driver, BestEffort QoS).
+    fn create(node: &Node, claim: &str) -> anyhow::Result<Self> {
+        let src = "/proc/sys/kernel/random/uuid";
+        let uid = std::fs::read_to_string(src)
+            .with_context(|| format!("reading a pod UID from {src}"))?
+            .trim()
+            .to_string();
+        let cgroup = PathBuf::from(format!("kubepods/besteffort/pod{uid}"));
+        let dir = node.cgroup_root.join(&cgroup);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Self {
+            name: format!("{claim}-pod"),
+            uid,
+            cgroup,
+        })
+    }
+
+    /// Remove its cgroup directory (the kubelet does once the pod is gone).
+    fn remove(&self, node: &Node) -> anyhow::Result<()> {
+        let dir = node.cgroup_root.join(&self.cgroup);
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))
+    }
 }
 
 /// A claim allocated and prepared.
@@ -671,6 +833,8 @@ struct Prepared {
     /// The claim as stored, with `status.allocation` and its uid.
     stored: ResourceClaim,
     uid: String,
+    /// The pod it is reserved for.
+    pod: Pod,
     devices: Vec<PreparedDevice>,
 }
 
@@ -751,7 +915,7 @@ async fn with_api(
         args.kube_version,
         api.url()
     ));
-    let mut plugin = Plugin::spawn(exe, node, &api.url())?;
+    let mut plugin = Plugin::spawn(exe, node, &api.url(), args)?;
     let result = with_plugin(args, &mut plugin, api, client, node, set).await;
     plugin.stop();
     let leftovers = final_check(node);
@@ -759,7 +923,9 @@ async fn with_api(
     leftovers
 }
 
-/// After the plugin is gone: no GPU instance and no CDI spec may be left.
+/// After the plugin is gone: no GPU instance, no CDI spec and no MPS daemon
+/// may be left. MPS daemons outlive the plugin by design, so any left running
+/// are killed after they are reported.
 fn final_check(node: &Node) -> anyhow::Result<()> {
     let state = SimState::for_config(&node.sim, &node.sim_config_path)
         .context("reading the NVML simulator state")?;
@@ -779,26 +945,142 @@ fn final_check(node: &Node) -> anyhow::Result<()> {
                 .collect()
         })
         .unwrap_or_default();
-    if left.is_empty() && cdi.is_empty() {
+    let mps = mps_leftovers(node);
+    let seen: Vec<String> = node
+        .daemons_seen
+        .lock()
+        .map(|s| {
+            s.iter()
+                .map(|(unit, pid, _)| format!("pid {pid} on {unit}"))
+                .collect()
+        })
+        .unwrap_or_default();
+    if left.is_empty() && cdi.is_empty() && mps.is_empty() {
         say(&format!(
             "no GPU instance left: 0 GPU instances on {} GPU(s) in the NVML simulator, no CDI spec left",
             state.gpus.len()
         ));
+        say(&if seen.is_empty() {
+            "no MPS daemon left (no prepared claim used one)".to_string()
+        } else {
+            format!(
+                "no MPS daemon left: {} daemon(s) served claims ({}), all gone",
+                seen.len(),
+                seen.join(", ")
+            )
+        });
         return Ok(());
     }
     say(&format!(
-        "LEFT BEHIND: {} GPU instance(s), {} CDI spec(s)",
+        "LEFT BEHIND: {} GPU instance(s), {} CDI spec(s), {} MPS leftover(s)",
         left.len(),
-        cdi.len()
+        cdi.len(),
+        mps.len()
     ));
-    for l in left.iter().chain(&cdi) {
+    for l in left.iter().chain(&cdi).chain(&mps) {
         say(&format!("  {l}"));
     }
     bail!(
-        "{} GPU instance(s) and {} CDI spec(s) left after every claim was released",
+        "{} GPU instance(s), {} CDI spec(s) and {} MPS leftover(s) after every claim was released",
         left.len(),
-        cdi.len()
+        cdi.len(),
+        mps.len()
     )
+}
+
+/// MPS daemons still running (killed here once found) and unit state that
+/// still names clients: from the daemons seen during the run, every unit's
+/// `state.json`, and any process running as this run's fake control binary.
+fn mps_leftovers(node: &Node) -> Vec<String> {
+    let mut left = Vec::new();
+    let mut running: BTreeSet<u32> = BTreeSet::new();
+    let seen: Vec<(String, u32, u64)> = node
+        .daemons_seen
+        .lock()
+        .map(|s| s.iter().cloned().collect())
+        .unwrap_or_default();
+    for (unit, pid, start) in &seen {
+        if process_alive(*pid, *start) && running.insert(*pid) {
+            left.push(format!("{unit}: MPS daemon pid {pid} still running"));
+        }
+    }
+    let mut units: Vec<PathBuf> = std::fs::read_dir(node.mps_root())
+        .map(|rd| rd.filter_map(Result::ok).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    units.sort();
+    for dir in units {
+        let path = dir.join("state.json");
+        if !path.is_file() {
+            continue;
+        }
+        let unit = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match read_unit_state(&path) {
+            Ok(st) => {
+                if let Some(d) = &st.identity
+                    && process_alive(d.pid, d.start_time)
+                    && running.insert(d.pid)
+                {
+                    left.push(format!(
+                        "{unit}: MPS daemon pid {} still running ({})",
+                        d.pid,
+                        node.short(&path)
+                    ));
+                }
+                if !st.clients.is_empty() {
+                    let keys: Vec<&String> = st.clients.keys().collect();
+                    left.push(format!(
+                        "{unit}: {} still lists {} share(s): {keys:?}",
+                        node.short(&path),
+                        keys.len()
+                    ));
+                }
+            }
+            Err(e) => left.push(format!("{unit}: {e}")),
+        }
+    }
+    for pid in processes_named(&node.fake_mps) {
+        if running.insert(pid) {
+            left.push(format!(
+                "process {pid} still running as {}",
+                node.short(&node.fake_mps)
+            ));
+        }
+    }
+    for pid in &running {
+        if let Ok(raw) = i32::try_from(*pid) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(raw),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+    if !running.is_empty() {
+        left.push(format!(
+            "killed the MPS daemon process(es) left running: {running:?}"
+        ));
+    }
+    left
+}
+
+/// Pids of processes whose `argv[0]` is `program`.
+fn processes_named(program: &Path) -> Vec<u32> {
+    let want = program.as_os_str().as_encoded_bytes();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        if cmd.split(|&b| b == 0).next() == Some(want) {
+            out.push(pid);
+        }
+    }
+    out
 }
 
 async fn with_plugin(
@@ -883,6 +1165,16 @@ fn published_text(node: &Node, slices: &[ResourceSlice]) -> String {
         };
         let d: Vec<String> = g.devices.iter().map(|(k, v)| format!("{k}×{v}")).collect();
         let _ = write!(out, "\n  {name} ({about}): {}", d.join(" "));
+        // The summary counts MIG-MPS devices under their profile.
+        let mig_mps = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter_map(|d| d.name.parse::<DeviceName>().ok())
+            .filter(|n| matches!(n, DeviceName::MigMps { .. }) && Some(n.gpu()) == g.gpu)
+            .count();
+        if mig_mps > 0 {
+            let _ = write!(out, " (of the MIG devices, {mig_mps} are MIG-MPS)");
+        }
     }
     out
 }
@@ -938,7 +1230,15 @@ async fn apply_all(
         };
         match prepare(s, c, result).await? {
             Ok(p) => {
-                say(&prepared_text(&p));
+                say(&prepared_text(s.node, &p));
+                for why in p
+                    .devices
+                    .iter()
+                    .filter_map(|d| d.mps.as_ref())
+                    .flat_map(|m| &m.problems)
+                {
+                    failures.push(format!("{}: {why}", c.label()));
+                }
                 prepared.push(p);
             }
             Err(why) => {
@@ -976,9 +1276,10 @@ fn classes_without_devices(s: &Session<'_>, c: &SourcedClaim) -> anyhow::Result<
     Ok(missing)
 }
 
-/// Create the claim, write its allocation, prepare it through the fake
-/// kubelet and read back what the plugin wrote. `Ok(Err(why))`: the claim was
-/// not prepared (and is deleted again); `Err`: the run cannot go on.
+/// Create the claim, reserve it for a new pod, write its allocation, prepare
+/// it through the fake kubelet and read back what the plugin wrote.
+/// `Ok(Err(why))`: the claim was not prepared (it is deleted again and its
+/// pod's cgroup removed); `Err`: the run cannot go on.
 async fn prepare(
     s: &Session<'_>,
     c: &SourcedClaim,
@@ -995,11 +1296,19 @@ async fn prepare(
         .uid
         .clone()
         .ok_or_else(|| anyhow!("ResourceClaim {label}: the API server gave it no uid"))?;
-    let patch = serde_json::json!({"status": {"allocation": result}});
+    // The scheduler reserves the claim for the pod it binds; the kubelet has
+    // created the pod's cgroup by the time it prepares the pod's claims.
+    let pod = Pod::create(s.node, c.name())?;
+    let patch = serde_json::json!({"status": {
+        "allocation": result,
+        "reservedFor": [{"resource": "pods", "name": pod.name, "uid": pod.uid}],
+    }});
     let stored = api
         .patch_status(c.name(), &PatchParams::default(), &Patch::Merge(&patch))
         .await
-        .with_context(|| format!("writing status.allocation of ResourceClaim {label}"))?;
+        .with_context(|| {
+            format!("writing status.allocation and status.reservedFor of ResourceClaim {label}")
+        })?;
     let r = ClaimRef {
         namespace: c.namespace().into(),
         name: c.name().into(),
@@ -1008,19 +1317,16 @@ async fn prepare(
     let answer = s.kubelet.prepare(std::slice::from_ref(&r)).await;
     let one = match answer {
         Ok(resp) => resp.claims.get(&uid).cloned(),
-        Err(e) => {
-            delete_claim(&api, c).await?;
-            return Ok(Err(format!("NodePrepareResources: {e}")));
-        }
+        Err(e) => return abandon(s, &api, c, &pod, format!("NodePrepareResources: {e}")).await,
     };
     let one = match one {
         Some(o) if o.error.is_empty() => o,
         other => {
-            delete_claim(&api, c).await?;
-            return Ok(Err(format!(
+            let why = format!(
                 "NodePrepareResources: {}",
                 one_error(other.as_ref().map(|o| o.error.as_str()), &uid)
-            )));
+            );
+            return abandon(s, &api, c, &pod, why).await;
         }
     };
     let back = api
@@ -1040,28 +1346,439 @@ async fn prepare(
         .flatten()
         .filter(|x| x.driver == DRIVER_NAME)
     {
-        let from_kubelet = one.devices.iter().find(|d| d.device_name == res.device);
+        let from_kubelet = one
+            .devices
+            .iter()
+            .find(|d| d.device_name == res.device && d.share_id == res.share_id);
         let data = status_devices
             .into_iter()
             .flatten()
-            .find(|d| d.driver == DRIVER_NAME && d.device == res.device)
+            .find(|d| {
+                d.driver == DRIVER_NAME && d.device == res.device && d.share_id == res.share_id
+            })
             .and_then(|d| d.data.as_ref())
             .map(|d| d.0.clone());
-        devices.push(PreparedDevice {
+        let cdi_ids = from_kubelet
+            .map(|d| d.cdi_device_ids.clone())
+            .unwrap_or_default();
+        let mut dev = PreparedDevice {
             request: res.request.clone(),
             device: res.device.clone(),
-            cdi_ids: from_kubelet
-                .map(|d| d.cdi_device_ids.clone())
-                .unwrap_or_default(),
+            cdi_ids,
             data,
-        });
+            share_id: res.share_id.clone(),
+            mps: None,
+        };
+        if matches!(
+            res.device.parse::<DeviceName>(),
+            Ok(DeviceName::Mps { .. } | DeviceName::MigMps { .. })
+        ) {
+            dev.mps = Some(MpsShare::read(s, &uid, &pod, &dev));
+        }
+        devices.push(dev);
     }
     Ok(Ok(Prepared {
         source: c.clone(),
         stored,
         uid,
+        pod,
         devices,
     }))
+}
+
+/// A claim that was not prepared: delete it, remove its pod's cgroup, and
+/// hand back why.
+async fn abandon(
+    s: &Session<'_>,
+    api: &Api<ResourceClaim>,
+    c: &SourcedClaim,
+    pod: &Pod,
+    why: String,
+) -> anyhow::Result<Result<Prepared, String>> {
+    delete_claim(api, c).await?;
+    pod.remove(s.node)?;
+    Ok(Err(why))
+}
+
+/// The parts of an MPS unit's `state.json` (written by `carve_mps::MpsControl`
+/// in the plugin) that simulate shows.
+#[derive(Debug)]
+struct UnitStateView {
+    identity: Option<DaemonIdentity>,
+    clients: BTreeMap<String, ClientSpec>,
+}
+
+fn read_unit_state(path: &Path) -> Result<UnitStateView, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let bad = |e: serde_json::Error| format!("{} does not decode: {e}", path.display());
+    let mut v: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
+    let mut take = |k: &str| v.get_mut(k).map(serde_json::Value::take);
+    let identity = match take("identity") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(i) => Some(serde_json::from_value(i).map_err(bad)?),
+    };
+    let clients = match take("clients") {
+        None | Some(serde_json::Value::Null) => BTreeMap::new(),
+        Some(c) => serde_json::from_value(c).map_err(bad)?,
+    };
+    Ok(UnitStateView { identity, clients })
+}
+
+/// State letter and start time (`/proc/<pid>/stat` fields 3 and 22) of
+/// process `pid`, if there is one.
+fn process_stat(pid: u32) -> Option<(char, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `comm` may hold spaces and parentheses: the fields start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some((f.first()?.chars().next()?, f.get(19)?.parse().ok()?))
+}
+
+/// Whether process `pid` runs and started at `start_time`, i.e. is not gone,
+/// a zombie, or a recycled pid.
+fn process_alive(pid: u32, start_time: u64) -> bool {
+    matches!(process_stat(pid), Some((s, t)) if s != 'Z' && s != 'X' && t == start_time)
+}
+
+/// An MPS share as the plugin reports it in the claim's
+/// `status.devices[].data.mps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StatusShare {
+    /// The MPS unit (directory under `<state-dir>/mps`).
+    unit: String,
+    memory_limit_mib: u64,
+    multiprocessors: u64,
+    active_thread_percentage: u64,
+    /// Enforcement levels (`hard` | `client`, `percentage` | `partition` | `client`).
+    memory_limit: Option<String>,
+    compute_limit: Option<String>,
+    /// The pod cgroup the share is bound to, relative to the cgroup root.
+    cgroup: Option<String>,
+}
+
+impl StatusShare {
+    fn from_data(data: &serde_json::Value) -> Result<Self, String> {
+        let m = data
+            .get("mps")
+            .ok_or("the claim's status.devices[].data has no \"mps\" entry")?;
+        let num = |k: &str| {
+            m.get(k)
+                .and_then(serde_json::Value::as_u64)
+                .ok_or_else(|| format!("status.devices[].data.mps.{k} is missing or not a number"))
+        };
+        let text = |k: &str| {
+            m.get(k)
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_string)
+        };
+        Ok(Self {
+            unit: text("unit").ok_or("status.devices[].data.mps.unit is missing")?,
+            memory_limit_mib: num("memoryLimitMiB")?,
+            multiprocessors: num("multiprocessors")?,
+            active_thread_percentage: num("activeThreadPercentage")?,
+            memory_limit: text("memoryLimit"),
+            compute_limit: text("computeLimit"),
+            cgroup: text("cgroup"),
+        })
+    }
+}
+
+/// What the plugin and the fake daemon say about one MPS share, read right
+/// after it was prepared: the claim status (limits, enforcement, cgroup), the
+/// unit's `state.json` (daemon, and the same share as the supervisor keeps
+/// it), the published device attributes, the fake daemon's log and the CDI
+/// spec. Disagreements between them are problems.
+#[derive(Debug, Clone, Default)]
+struct MpsShare {
+    /// The share as the claim status reports it.
+    status: Option<StatusShare>,
+    /// The unit's `state.json`, relative to the temporary directory.
+    state_file: String,
+    /// The daemon `state.json` names.
+    daemon: Option<DaemonIdentity>,
+    /// `mpsMemoryLimit` and `mpsComputeLimit` of the device as published.
+    memory_level: Option<String>,
+    compute_level: Option<String>,
+    /// Lines of the fake daemon's log about this daemon and share.
+    received: Vec<String>,
+    /// Container edits per CDI id, from the claim's CDI spec file.
+    cdi_edits: BTreeMap<String, String>,
+    /// Where the sources disagree, or one is missing.
+    problems: Vec<String>,
+}
+
+impl MpsShare {
+    fn read(s: &Session<'_>, claim_uid: &str, pod: &Pod, dev: &PreparedDevice) -> Self {
+        let node = s.node;
+        let mut out = Self::default();
+        let (memory_level, compute_level) = published_levels(&s.slices, &dev.device);
+        out.memory_level = memory_level;
+        out.compute_level = compute_level;
+        match dev.data.as_ref().map(StatusShare::from_data) {
+            Some(Ok(st)) => out.status = Some(st),
+            Some(Err(e)) => out.problems.push(e),
+            None => out
+                .problems
+                .push("the plugin wrote no status.devices entry".to_string()),
+        }
+        let unit_name = out
+            .status
+            .as_ref()
+            .map_or(dev.device.clone(), |st| st.unit.clone());
+        let unit = node.mps_root().join(&unit_name);
+        let state_path = unit.join("state.json");
+        out.state_file = node.short(&state_path);
+        let Some(share_id) = dev.share_id.as_deref() else {
+            out.problems
+                .push("the allocation result has no shareID".to_string());
+            return out;
+        };
+        let mut client = None;
+        match read_unit_state(&state_path) {
+            Ok(st) => {
+                client = st
+                    .clients
+                    .into_values()
+                    .find(|c| c.claim_uid == claim_uid && c.share_id == share_id);
+                out.daemon = st.identity;
+            }
+            Err(e) => out.problems.push(e),
+        }
+        let pipe_dir = match &out.daemon {
+            Some(d) => {
+                if let Ok(mut seen) = node.daemons_seen.lock() {
+                    seen.insert((unit_name.clone(), d.pid, d.start_time));
+                }
+                if !process_alive(d.pid, d.start_time) {
+                    out.problems.push(format!(
+                        "the MPS daemon pid {} named in {} is not running",
+                        d.pid, out.state_file
+                    ));
+                }
+                d.pipe_dir.clone()
+            }
+            None => {
+                out.problems
+                    .push(format!("{} names no running daemon", out.state_file));
+                unit.join("pipe")
+            }
+        };
+        out.check_agreement(client.as_ref(), pod, claim_uid, share_id);
+        out.read_fake_log(node, &pipe_dir, claim_uid, share_id);
+        out.read_cdi(node, claim_uid, &dev.cdi_ids);
+        out
+    }
+
+    /// The claim status against `state.json`, the pod and the published attributes.
+    fn check_agreement(
+        &mut self,
+        client: Option<&ClientSpec>,
+        pod: &Pod,
+        claim_uid: &str,
+        share_id: &str,
+    ) {
+        let Some(c) = client else {
+            self.problems.push(format!(
+                "{} lists no client for claim {claim_uid} share {share_id}",
+                self.state_file
+            ));
+            return;
+        };
+        let Some(st) = self.status.clone() else {
+            return;
+        };
+        let l = &c.limits;
+        let kept = (
+            l.memory_limit_mib,
+            u64::from(l.multiprocessors),
+            u64::from(l.active_thread_percentage),
+        );
+        let told = (
+            st.memory_limit_mib,
+            st.multiprocessors,
+            st.active_thread_percentage,
+        );
+        if kept != told {
+            self.problems.push(format!(
+                "limits (MiB, SMs, %) in the claim status {told:?} differ from {} {kept:?}",
+                self.state_file
+            ));
+        }
+        let kept_cgroup = c.cgroup.as_ref().map(|p| p.display().to_string());
+        if kept_cgroup != st.cgroup {
+            self.problems.push(format!(
+                "cgroup in the claim status {:?} differs from {} {kept_cgroup:?}",
+                st.cgroup, self.state_file
+            ));
+        }
+        let pod_cgroup = pod.cgroup.display().to_string();
+        match &st.cgroup {
+            Some(cg) if *cg != pod_cgroup => self.problems.push(format!(
+                "share bound to cgroup {cg}, but the claim's pod {} is in {pod_cgroup}",
+                pod.uid
+            )),
+            None if st.memory_limit.as_deref() == Some("hard") => self
+                .problems
+                .push("memory limit hard, but the share is bound to no cgroup".to_string()),
+            _ => {}
+        }
+        if (&st.memory_limit, &st.compute_limit) != (&self.memory_level, &self.compute_level) {
+            self.problems.push(format!(
+                "enforcement in the claim status (memory {:?}, compute {:?}) differs from the published device (mpsMemoryLimit {:?}, mpsComputeLimit {:?})",
+                st.memory_limit, st.compute_limit, self.memory_level, self.compute_level
+            ));
+        }
+    }
+
+    /// The fake daemon's record: its start, and what it was told for this share.
+    fn read_fake_log(&mut self, node: &Node, pipe_dir: &Path, claim_uid: &str, share_id: &str) {
+        let path = pipe_dir.join(carve_mps::fake::LOG);
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            self.problems
+                .push(format!("no fake daemon log {}", node.short(&path)));
+            return;
+        };
+        // Paths in the temporary directory as `<tmp>/...`: shorter, still absolute-looking.
+        let tmp = node.dir.path().display().to_string();
+        let lines: Vec<String> = text.lines().map(|l| l.replace(&tmp, "<tmp>")).collect();
+        if let Some(d) = &self.daemon {
+            let start = format!("start pid={} ", d.pid);
+            match lines.iter().rfind(|l| l.starts_with(&start)) {
+                Some(l) => self.received.push(l.clone()),
+                None => self.problems.push(format!(
+                    "the fake daemon's log has no start of pid {}",
+                    d.pid
+                )),
+            }
+        }
+        let v3 = self
+            .daemon
+            .as_ref()
+            .is_some_and(|d| d.protocol == carve_mps::Protocol::V3);
+        let before = self.received.len();
+        if v3 {
+            self.received.extend(
+                lines
+                    .iter()
+                    .filter(|l| {
+                        l.starts_with("verb namespace create")
+                            && l.contains(claim_uid)
+                            && l.contains(share_id)
+                    })
+                    .cloned(),
+            );
+        } else {
+            // v2: daemon-wide defaults (the largest share); the share's own
+            // limits are in its client variables.
+            for cmd in [
+                "cmd set_default_device_pinned_mem_limit ",
+                "cmd set_default_active_thread_percentage ",
+            ] {
+                if let Some(l) = lines.iter().rfind(|l| l.starts_with(cmd)) {
+                    self.received.push(l.clone());
+                }
+            }
+        }
+        if self.daemon.is_some() && self.received.len() == before {
+            self.problems.push(format!(
+                "the fake daemon's log {} has no limits for this share",
+                node.short(&path)
+            ));
+        }
+    }
+
+    /// Each CDI id's container edits, from the claim's CDI spec file.
+    fn read_cdi(&mut self, node: &Node, claim_uid: &str, cdi_ids: &[String]) {
+        let path = carve_plugin::claim_spec_path(&node.cdi_dir, claim_uid);
+        let spec: serde_json::Value = match std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+        {
+            Ok(v) => v,
+            Err(e) => {
+                self.problems
+                    .push(format!("CDI spec {}: {e}", node.short(&path)));
+                return;
+            }
+        };
+        if cdi_ids.is_empty() {
+            self.problems
+                .push("NodePrepareResources gave no CDI id".to_string());
+        }
+        let devices = spec.get("devices").and_then(serde_json::Value::as_array);
+        for id in cdi_ids {
+            let name = id.rsplit_once('=').map_or(id.as_str(), |(_, n)| n);
+            let Some(edits) = devices
+                .into_iter()
+                .flatten()
+                .find(|d| d.get("name").and_then(serde_json::Value::as_str) == Some(name))
+                .and_then(|d| d.get("containerEdits"))
+            else {
+                self.problems.push(format!(
+                    "CDI id {id}: no device {name:?} in {}",
+                    node.short(&path)
+                ));
+                continue;
+            };
+            self.cdi_edits
+                .insert(id.clone(), describe_edits(node, edits));
+        }
+    }
+}
+
+/// `env A=1, B=2; mount host -> container` of CDI container edits.
+fn describe_edits(node: &Node, edits: &serde_json::Value) -> String {
+    let strs = |k: &str| -> Vec<String> {
+        edits
+            .get(k)
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+            .map(|v| match v {
+                serde_json::Value::String(s) => s.clone(),
+                other => {
+                    let get = |f: &str| other.get(f).and_then(serde_json::Value::as_str);
+                    match (get("hostPath"), get("containerPath"), get("path")) {
+                        (Some(h), Some(c), _) => {
+                            format!("{} -> {c}", node.short(Path::new(h)))
+                        }
+                        (_, _, Some(p)) => p.to_string(),
+                        _ => other.to_string(),
+                    }
+                }
+            })
+            .collect()
+    };
+    let mut parts = Vec::new();
+    for (key, label) in [
+        ("env", "env"),
+        ("mounts", "mount"),
+        ("deviceNodes", "device"),
+    ] {
+        let v = strs(key);
+        if !v.is_empty() {
+            parts.push(format!("{label} {}", v.join(", ")));
+        }
+    }
+    if parts.is_empty() {
+        "no container edits".to_string()
+    } else {
+        parts.join("; ")
+    }
+}
+
+/// The published `mpsMemoryLimit` and `mpsComputeLimit` of `device`.
+fn published_levels(slices: &[ResourceSlice], device: &str) -> (Option<String>, Option<String>) {
+    let dev = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device);
+    let attr = |k: &str| {
+        dev.and_then(|d| d.attributes.as_ref())
+            .and_then(|a| a.get(k))
+            .and_then(|a| a.string.clone())
+    };
+    (attr("mpsMemoryLimit"), attr("mpsComputeLimit"))
 }
 
 fn one_error(error: Option<&str>, uid: &str) -> String {
@@ -1078,7 +1795,7 @@ async fn delete_claim(api: &Api<ResourceClaim>, c: &SourcedClaim) -> anyhow::Res
     Ok(())
 }
 
-fn prepared_text(p: &Prepared) -> String {
+fn prepared_text(node: &Node, p: &Prepared) -> String {
     let mut out = format!("- {}: allocated and prepared", p.source.label());
     for d in &p.devices {
         let _ = write!(out, "\n    request {} -> {}", d.request, d.device);
@@ -1089,6 +1806,7 @@ fn prepared_text(p: &Prepared) -> String {
                 .and_then(|v| v.as_str().map(str::to_string))
         };
         let num_of = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64);
+        let share = d.share_id.as_deref().unwrap_or("none");
         match (&d.data, d.device.parse::<DeviceName>()) {
             (None, _) => out.push_str(": (the plugin wrote no status.devices entry)"),
             (Some(v), Ok(DeviceName::Mig { .. })) => {
@@ -1107,6 +1825,30 @@ fn prepared_text(p: &Prepared) -> String {
                     str_of("uuid").unwrap_or_else(|| "no MIG UUID".into()),
                 );
             }
+            (Some(_), Ok(DeviceName::TimeSlice { .. })) => {
+                let _ = write!(
+                    out,
+                    ": time-sliced GPU {}, share {share} (no memory or fault isolation)",
+                    str_of("uuid").unwrap_or_else(|| "(no UUID)".into())
+                );
+            }
+            (Some(v), Ok(DeviceName::Mps { .. } | DeviceName::MigMps { .. })) => {
+                let _ = write!(
+                    out,
+                    ": MPS share {share} of {}",
+                    str_of("uuid").unwrap_or_else(|| "(no UUID)".into())
+                );
+                if let Some(profile) = str_of("profile") {
+                    let _ = write!(
+                        out,
+                        " ({profile} at memory slice {}, GPU instance {})",
+                        num_of(v.get("placement").and_then(|p| p.get("start")))
+                            .map_or_else(|| "?".into(), |n| n.to_string()),
+                        num_of(v.get("gpuInstanceID"))
+                            .map_or_else(|| "?".into(), |n| n.to_string()),
+                    );
+                }
+            }
             (Some(_), _) => {
                 let _ = write!(
                     out,
@@ -1115,41 +1857,118 @@ fn prepared_text(p: &Prepared) -> String {
                 );
             }
         }
+        if let Some(m) = &d.mps {
+            out.push_str(&mps_text(node, p, m));
+        }
         for id in &d.cdi_ids {
             let _ = write!(out, "\n      CDI {id}");
+            if let Some(e) = d.mps.as_ref().and_then(|m| m.cdi_edits.get(id)) {
+                let _ = write!(out, "\n        {e}");
+            }
         }
+        for why in d.mps.iter().flat_map(|m| &m.problems) {
+            let _ = write!(out, "\n      MPS PROBLEM: {why}");
+        }
+    }
+    out
+}
+
+/// The lines of one MPS share: daemon, limits, enforcement, what the daemon got.
+fn mps_text(node: &Node, p: &Prepared, m: &MpsShare) -> String {
+    let mut out = String::new();
+    match &m.daemon {
+        Some(d) => {
+            let _ = write!(
+                out,
+                "\n      daemon: pid {}, protocol {} (from {}), pipe {}",
+                d.pid,
+                match d.protocol {
+                    carve_mps::Protocol::V2 => "v2",
+                    carve_mps::Protocol::V3 => "v3",
+                },
+                m.state_file,
+                node.short(&d.pipe_dir)
+            );
+        }
+        None => {
+            let _ = write!(out, "\n      daemon: none in {}", m.state_file);
+        }
+    }
+    if let Some(st) = &m.status {
+        let _ = write!(
+            out,
+            "\n      limits: memory {} MiB, {} SMs = {} % active threads; pod {}/{} (uid {}) cgroup {}",
+            st.memory_limit_mib,
+            st.multiprocessors,
+            st.active_thread_percentage,
+            p.source.namespace(),
+            p.pod.name,
+            p.pod.uid,
+            st.cgroup.as_deref().unwrap_or("none")
+        );
+        let _ = write!(
+            out,
+            "\n      enforcement: memory {}, compute {}",
+            st.memory_limit.as_deref().unwrap_or("?"),
+            st.compute_limit.as_deref().unwrap_or("?")
+        );
+    }
+    for l in &m.received {
+        let _ = write!(out, "\n      daemon got: {l}");
     }
     out
 }
 
 /// One picture per GPU of who holds which memory slice.
 fn pictures(node: &Node, prepared: &[Prepared]) -> Vec<GpuPicture> {
-    let mut by_gpu: BTreeMap<u32, (Vec<Held>, Option<String>)> = BTreeMap::new();
+    let mut by_gpu: BTreeMap<u32, (Vec<Held>, Option<Whole>)> = BTreeMap::new();
     for p in prepared {
+        let holder = p.source.name().to_string();
         for d in &p.devices {
             let Ok(name) = d.device.parse::<DeviceName>() else {
                 continue;
             };
             let e = by_gpu.entry(name.gpu()).or_default();
-            match &name {
-                DeviceName::Gpu { .. } => e.1 = Some(p.source.name().to_string()),
-                DeviceName::Mig { .. } => {
-                    // What the plugin says it created, else what was allocated.
-                    let created = d.data.as_ref().and_then(|v| {
-                        let profile = v.get("profile")?.as_str()?.to_string();
-                        let start =
-                            u8::try_from(v.get("placement")?.get("start")?.as_u64()?).ok()?;
-                        Some((profile, start))
-                    });
-                    if let Some((profile, start)) = created.or_else(|| name.mig_placement()) {
-                        e.0.push(Held {
-                            holder: p.source.name().to_string(),
-                            profile,
-                            start,
-                        });
-                    }
+            let sharing = match &name {
+                DeviceName::Gpu { .. } => Some(Sharing::Exclusive),
+                DeviceName::Mps { .. } => Some(Sharing::Mps),
+                DeviceName::TimeSlice { .. } => Some(Sharing::Timeslice),
+                DeviceName::Mig { .. } | DeviceName::MigMps { .. } => None,
+            };
+            if let Some(sharing) = sharing {
+                let w = e.1.get_or_insert_with(|| Whole {
+                    holders: Vec::new(),
+                    sharing,
+                });
+                if !w.holders.contains(&holder) {
+                    w.holders.push(holder.clone());
                 }
-                _ => {}
+                continue;
+            }
+            // What the plugin says it created, else what was allocated.
+            let created = d.data.as_ref().and_then(|v| {
+                let profile = v.get("profile")?.as_str()?.to_string();
+                let start = u8::try_from(v.get("placement")?.get("start")?.as_u64()?).ok()?;
+                Some((profile, start))
+            });
+            let Some((profile, start)) = created.or_else(|| name.mig_placement()) else {
+                continue;
+            };
+            // Shares of one MIG instance through MPS: one instance, several holders.
+            match e
+                .0
+                .iter_mut()
+                .find(|h| h.profile == profile && h.start == start)
+            {
+                Some(h) => {
+                    h.holder.push('+');
+                    h.holder.push_str(&holder);
+                }
+                None => e.0.push(Held {
+                    holder: holder.clone(),
+                    profile,
+                    start,
+                }),
             }
         }
     }
@@ -1220,6 +2039,9 @@ async fn release(s: &Session<'_>, prepared: &[Prepared]) -> anyhow::Result<()> {
         let api: Api<ResourceClaim> = Api::namespaced(s.client.clone(), p.source.namespace());
         if let Err(e) = delete_claim(&api, &p.source).await {
             problems.push(format!("{e:#}"));
+        }
+        if let Err(e) = p.pod.remove(s.node) {
+            problems.push(format!("{label}: {e:#}"));
         }
     }
     say("");
@@ -1407,6 +2229,54 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--nvml-sim-lib") && e.contains("none.so"), "{e}");
+    }
+
+    #[test]
+    fn leftover_mps_daemons_are_reported_and_killed() {
+        use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+        let d = tempfile::tempdir().unwrap();
+        let lib = write(d.path(), "lib.so", "");
+        let exe = std::env::current_exe().unwrap();
+        let node = Node::create(&[("l4-24gb".into(), 1)], &lib, &exe).unwrap();
+        assert!(mps_leftovers(&node).is_empty());
+        // A process running as the run's fake control binary, named by a
+        // unit's state.json that still lists a share.
+        let mut child = Command::new("sleep")
+            .arg0(&node.fake_mps)
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let start = loop {
+            // Until exec is done, the child still runs as this test binary.
+            let named = processes_named(&node.fake_mps).contains(&pid);
+            match process_stat(pid) {
+                Some((_, t)) if named => break t,
+                _ if Instant::now() > deadline => panic!("child {pid} never ran as sleep"),
+                _ => std::thread::sleep(Duration::from_millis(5)),
+            }
+        };
+        let unit = node.mps_root().join("gpu-0-mps");
+        std::fs::create_dir_all(&unit).unwrap();
+        let state = serde_json::json!({
+            "version": 1,
+            "identity": {"pid": pid, "startTime": start, "pipeDir": unit.join("pipe"),
+                "logDir": unit.join("log"), "protocol": "v3"},
+            "clients": {"c/s": {"claimUid": "c", "shareId": "s", "cgroup": null,
+                "limits": {"memoryLimitMib": 1024, "multiprocessors": 2, "activeThreadPercentage": 2}}},
+        });
+        std::fs::write(unit.join("state.json"), state.to_string()).unwrap();
+        let left = mps_leftovers(&node);
+        assert_eq!(left.len(), 3, "{left:#?}");
+        assert!(
+            left[0].starts_with(&format!("gpu-0-mps: MPS daemon pid {pid} still running")),
+            "{left:#?}"
+        );
+        assert!(left[1].contains("still lists 1 share(s)"), "{left:#?}");
+        assert!(left[2].contains("killed") && left[2].contains(&pid.to_string()));
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        assert!(!process_alive(pid, start));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `carve simulate` run as a user runs it: the built binary, which starts the
 //! real `carve kubelet-plugin` child on the NVML simulator, real sockets and
-//! files. Each run gets its own `TMPDIR`, so the tests can check that nothing
-//! is left there and that no process of the run survives it.
+//! files, and MPS daemons of the fake `nvidia-cuda-mps-control` (the same
+//! binary under that name). Each run gets its own `TMPDIR`, so the tests can
+//! check that nothing is left there and that no process of the run survives it.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -13,14 +14,24 @@ fn carve(args: &[&str], tmp: &Path) -> Output {
 /// Runs carve; `faults` (the simulator's `CARVE_NVML_SIM_FAULTS`) reach the
 /// plugin child through the environment.
 fn carve_with_faults(args: &[&str], tmp: &Path, faults: Option<&str>) -> Output {
+    match faults {
+        Some(f) => carve_with_env(args, tmp, &[("CARVE_NVML_SIM_FAULTS", f)]),
+        None => carve_with_env(args, tmp, &[]),
+    }
+}
+
+/// Runs carve with extra environment (which reaches the plugin child and the
+/// fake MPS daemons it starts).
+fn carve_with_env(args: &[&str], tmp: &Path, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_carve"));
     cmd.args(args)
         .env("TMPDIR", tmp)
         .env_remove("CARVE_NVML_SIM_CONFIG")
-        .env_remove("CARVE_NVML_SIM_FAULTS");
-    if let Some(f) = faults {
-        cmd.env("CARVE_NVML_SIM_FAULTS", f);
-    }
+        .env_remove("CARVE_NVML_SIM_FAULTS")
+        .env_remove("FAKE_MPS_REJECT")
+        .env_remove("FAKE_MPS_CRASH_ON")
+        .env_remove("FAKE_MPS_MAX_PROTOCOL");
+    cmd.envs(env.iter().copied());
     cmd.output().expect("running the carve binary")
 }
 
@@ -62,6 +73,114 @@ fn assert_nothing_left(tmp: &Path) {
             );
         }
     }
+}
+
+/// The value after `key` in `line` (up to the next space, `,` or `;`).
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let rest = &line[line.find(key)? + key.len()..];
+    let end = rest.find([' ', ',', ';']).unwrap_or(rest.len());
+    Some(&rest[..end])
+}
+
+/// Checks the block of a prepared MPS share: daemon, limits, published
+/// enforcement, what the fake daemon received, container edits. Returns the
+/// daemon pid.
+fn check_mps_share(
+    out: &str,
+    name: &str,
+    mib: u64,
+    sms: u32,
+    protocol: &str,
+    memory_level: &str,
+) -> u32 {
+    let b = block(out, name);
+    let ctx = || format!("{name}: {b:#?}\n{out}");
+    assert!(
+        b.first()
+            .is_some_and(|l| l.ends_with("allocated and prepared")),
+        "{}",
+        ctx()
+    );
+    let line = |prefix: &str| {
+        b.iter()
+            .find(|l| l.trim_start().starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} line: {}", ctx()))
+    };
+    assert!(
+        line("request gpu -> ").contains("-mps: MPS share "),
+        "{}",
+        ctx()
+    );
+    let daemon = line("daemon: pid ");
+    let pid: u32 = field(daemon, "pid ").unwrap().parse().unwrap();
+    assert_eq!(field(daemon, "protocol "), Some(protocol), "{}", ctx());
+    let limits = line("limits: ");
+    assert!(
+        limits.contains(&format!("memory {mib} MiB, {sms} SMs = ")),
+        "{}",
+        ctx()
+    );
+    let pct: u32 = field(limits, "SMs = ").unwrap().parse().unwrap();
+    let pod_uid = field(limits, "(uid ").unwrap().trim_end_matches(')');
+    let enforcement = line("enforcement: ");
+    assert_eq!(
+        field(enforcement, "memory "),
+        Some(memory_level),
+        "{}",
+        ctx()
+    );
+    assert!(
+        b.iter()
+            .any(|l| l.contains(&format!("daemon got: start pid={pid} protocol="))),
+        "{}",
+        ctx()
+    );
+    if protocol == "v3" {
+        // The namespace is bound to the claim's pod cgroup, with the limits.
+        let ns = line("daemon got: verb namespace create");
+        assert!(
+            ns.contains(&format!("kubepods/besteffort/pod{pod_uid}"))
+                && ns.contains(&format!("={mib}M"))
+                && ns.contains(&format!("--active-thread-percentage={pct}")),
+            "{}",
+            ctx()
+        );
+        assert!(
+            limits.ends_with(&format!("cgroup kubepods/besteffort/pod{pod_uid}")),
+            "{}",
+            ctx()
+        );
+    } else {
+        let env = line("env ");
+        assert!(
+            env.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-")
+                && env.contains(&format!("={mib}M"))
+                && env.contains(&format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}")),
+            "client limits in the container environment: {}",
+            ctx()
+        );
+    }
+    // Every share's container reaches its daemon through the pipe directory.
+    let env = line("env ");
+    assert!(
+        env.contains("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
+        "{}",
+        ctx()
+    );
+    assert!(
+        b.iter()
+            .any(|l| l.trim_start().starts_with("CDI k8s.gpu.carve.dev/claim=")),
+        "{}",
+        ctx()
+    );
+    assert!(
+        b.iter()
+            .any(|l| l.contains("mount ") && l.contains("/pipe -> ")),
+        "{}",
+        ctx()
+    );
+    assert!(!b.iter().any(|l| l.contains("PROBLEM")), "{}", ctx());
+    pid
 }
 
 #[test]
@@ -110,26 +229,43 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         whole.iter().any(|l| l.contains("whole GPU GPU-")),
         "whole-gpu: {whole:#?}\n{out}"
     );
-    for name in ["mps-share", "mps-hard-limit", "timeslice"] {
-        let b = block(&out, name);
-        assert!(
-            b.first()
-                .is_some_and(|l| l.contains("skipped: no published device matches class")),
-            "{name}: {b:#?}\n{out}"
-        );
-    }
+    // Both MPS shares on one GPU, served by one daemon with hard limits (the
+    // fake speaks v3 and the fake cgroup tree is v2). 33 SMs round up to 34.
+    let a = check_mps_share(&out, "mps-share", 10240, 34, "v3", "hard");
+    let b = check_mps_share(&out, "mps-hard-limit", 20480, 16, "v3", "hard");
+    assert_eq!(a, b, "one daemon for both shares:\n{out}");
+    let ts = block(&out, "timeslice");
+    assert!(
+        ts.iter().any(|l| l.contains("-ts: time-sliced GPU GPU-")
+            && l.contains("no memory or fault isolation")),
+        "timeslice: {ts:#?}\n{out}"
+    );
     // The picture: every GPU, with the claims' letters.
-    for g in ["gpu-0 (", "gpu-1 (", "gpu-2 ("] {
+    for g in ["gpu-0 (", "gpu-1 (", "gpu-2 (", "gpu-3 (", "gpu-4 ("] {
         assert!(out.contains(g), "{g} missing from the picture:\n{out}");
     }
     assert!(out.contains("memory slices used"), "{out}");
     assert!(out.contains(" = mig-same-parent 3g.40gb at slice"), "{out}");
     assert!(
-        out.contains("released 5 claim(s): unprepared and deleted"),
+        out.contains("M = mps-share, mps-hard-limit (whole GPU shared through MPS)"),
         "{out}"
     );
     assert!(
-        out.contains("no GPU instance left: 0 GPU instances on 3 GPU(s)"),
+        out.contains("T = timeslice (whole GPU, time-sliced)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("released 8 claim(s): unprepared and deleted"),
+        "{out}"
+    );
+    assert!(
+        out.contains("no GPU instance left: 0 GPU instances on 5 GPU(s)"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "no MPS daemon left: 1 daemon(s) served claims (pid {a} on gpu-"
+        )),
         "{out}"
     );
     assert_nothing_left(tmp.path());
@@ -342,5 +478,279 @@ fn a_failed_prepare_is_reported_the_run_goes_on_and_exits_1() {
         "{err}"
     );
     assert!(out.contains("no GPU instance left"), "{out}");
+    assert_nothing_left(tmp.path());
+}
+
+#[test]
+fn mps_v2_puts_the_limits_in_the_container_environment() {
+    // Only the MPS examples, on one A100, with the legacy protocol: the
+    // enforcement is published as `client`, so the hard-limit claim finds no
+    // device and is reported; the other share gets client variables.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    for name in ["mps-share", "mps-hard-limit"] {
+        std::fs::copy(
+            examples.join(name).join("claim.yaml"),
+            dir.path().join(format!("{name}.yaml")),
+        )
+        .unwrap();
+    }
+    let o = carve(
+        &[
+            "simulate",
+            "--gpus",
+            "a100-40gb:1",
+            "--claims",
+            dir.path().to_str().unwrap(),
+            "--sharing",
+            "mps",
+            "--mps-protocol",
+            "v2",
+        ],
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(
+        o.status.success(),
+        "exit {}\nstdout:\n{out}\nstderr:\n{err}",
+        o.status
+    );
+    let pid = check_mps_share(&out, "mps-share", 10240, 34, "v2", "client");
+    let hard = block(&out, "mps-hard-limit");
+    assert!(
+        hard.first()
+            .is_some_and(|l| l.ends_with("does not fit on sim-node now:")),
+        "{hard:#?}\n{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "no MPS daemon left: 1 daemon(s) served claims (pid {pid} on gpu-0-mps)"
+        )),
+        "{out}"
+    );
+    assert_nothing_left(tmp.path());
+}
+
+#[test]
+fn the_carve_binary_runs_the_fake_mps_control_under_that_name() {
+    // Through a link named carve-fake-mps-control, `-d` starts a daemon that is
+    // the carve binary again, still under the link's name (argv[0]), and a
+    // client invocation through the link stops it.
+    let tmp = tempfile::tempdir().unwrap();
+    let link = tmp.path().join("carve-fake-mps-control");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_carve"), &link).unwrap();
+    let pipe = tmp.path().join("pipe");
+    std::fs::create_dir(&pipe).unwrap();
+    let run = |args: &[&str], stdin: &str| {
+        use std::io::Write as _;
+        let mut c = Command::new(&link)
+            .args(args)
+            .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let o = run(&["-d", "-p", "3"], "");
+    assert!(o.status.success(), "{:?}", text(&o));
+    let pid = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid")).unwrap();
+    let pid = pid.trim();
+    let proc_dir = Path::new("/proc").join(pid);
+    let exe = std::fs::read_link(proc_dir.join("exe")).unwrap();
+    assert_eq!(
+        exe,
+        std::fs::canonicalize(env!("CARGO_BIN_EXE_carve")).unwrap()
+    );
+    let cmdline = std::fs::read(proc_dir.join("cmdline")).unwrap();
+    let argv: Vec<String> = cmdline
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    assert_eq!(
+        argv,
+        [link.to_str().unwrap(), "-f", "-p", "3"],
+        "the daemon keeps the link's name"
+    );
+    // A v2 request to a v3 daemon fails, as with the real control binary.
+    let o = run(&[], "get_default_active_thread_percentage\n");
+    assert!(!o.status.success(), "{:?}", text(&o));
+    let o = run(&["-q"], "");
+    assert!(o.status.success(), "{:?}", text(&o));
+    let log = std::fs::read_to_string(pipe.join("fake-mps-control.log")).unwrap();
+    assert!(
+        log.starts_with(&format!("start pid={pid} protocol=3\n")) && log.ends_with("quit\n"),
+        "{log}"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::fs::read(proc_dir.join("cmdline")).is_ok_and(|c| !c.is_empty())
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        !std::fs::read(proc_dir.join("cmdline")).is_ok_and(|c| !c.is_empty()),
+        "daemon {pid} still runs after -q"
+    );
+}
+
+/// A directory with two claims sharing one 3g.40gb MIG instance through MPS.
+fn mig_mps_claims() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for n in ["a", "b"] {
+        std::fs::write(
+            dir.path().join(format!("{n}.yaml")),
+            format!(
+                "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: migmps-{n}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mps.gpu.carve.dev\n        selectors:\n        - cel:\n            expression: device.attributes[\"gpu.carve.dev\"].type == \"mig-mps\" && device.attributes[\"gpu.carve.dev\"].profile == \"3g.40gb\"\n        capacity:\n          requests:\n            memory: 8Gi\n            multiprocessors: \"20\"\n"
+            ),
+        )
+        .unwrap();
+    }
+    dir
+}
+
+#[test]
+fn two_claims_share_one_mig_instance_through_one_daemon() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = mig_mps_claims();
+    let o = carve(
+        &[
+            "simulate",
+            "--gpus",
+            "h100:1",
+            "--claims",
+            dir.path().to_str().unwrap(),
+            "--sharing",
+            "mig-mps",
+        ],
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(
+        o.status.success(),
+        "exit {}\nstdout:\n{out}\nstderr:\n{err}",
+        o.status
+    );
+    let a = check_mps_share(&out, "migmps-a", 8192, 20, "v3", "hard");
+    let b = check_mps_share(&out, "migmps-b", 8192, 20, "v3", "hard");
+    assert_eq!(a, b, "one daemon for the instance:\n{out}");
+    let device = |name: &str| {
+        block(&out, name)
+            .iter()
+            .find_map(|l| l.trim_start().strip_prefix("request gpu -> "))
+            .and_then(|l| l.split(':').next())
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(device("migmps-a"), device("migmps-b"));
+    assert!(device("migmps-a").starts_with("gpu-0-mig-3g40gb-"), "{out}");
+    assert!(
+        block(&out, "migmps-a")
+            .iter()
+            .any(|l| l.contains("MPS share ")
+                && l.contains(" of MIG-")
+                && l.contains("(3g.40gb at memory slice")),
+        "{out}"
+    );
+    assert!(
+        out.contains("= migmps-a+migmps-b 3g.40gb at slice"),
+        "{out}"
+    );
+    assert!(out.contains("no GPU instance left"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "no MPS daemon left: 1 daemon(s) served claims (pid {a} on gpu-0-mig-3g40gb-"
+        )),
+        "{out}"
+    );
+    assert_nothing_left(tmp.path());
+}
+
+#[test]
+fn mps_shares_the_daemon_refuses_fail_their_claims_and_leave_no_daemon() {
+    // The fake daemon rejects every namespace (its request carries the memory
+    // limit): each MPS claim fails at prepare, the run goes on and exits 1.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = mig_mps_claims();
+    let o = carve_with_env(
+        &[
+            "simulate",
+            "--gpus",
+            "h100:1",
+            "--claims",
+            dir.path().to_str().unwrap(),
+            "--sharing",
+            "mig-mps",
+        ],
+        tmp.path(),
+        &[("FAKE_MPS_REJECT", "--pinned-memory-limit")],
+    );
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
+    for name in ["migmps-a", "migmps-b"] {
+        let b = block(&out, name);
+        assert!(
+            b.first()
+                .is_some_and(|l| l.contains("FAILED: NodePrepareResources")),
+            "{name}: {b:#?}\n{out}"
+        );
+    }
+    assert!(err.contains("2 claim(s) failed"), "{err}");
+    assert!(out.contains("no GPU instance left"), "{out}");
+    assert!(
+        out.contains("no MPS daemon left (no prepared claim used one)"),
+        "{out}"
+    );
+    assert_nothing_left(tmp.path());
+}
+
+#[test]
+fn a_daemon_crash_fails_the_claim_that_hit_it_and_leaves_no_daemon() {
+    // The fake daemon dies on the second share's namespace (20480M): that claim
+    // fails with the client's error, the first share stays prepared and is
+    // released, and no daemon process survives the run.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    for name in ["mps-share", "mps-hard-limit"] {
+        std::fs::copy(
+            examples.join(name).join("claim.yaml"),
+            dir.path().join(format!("{name}.yaml")),
+        )
+        .unwrap();
+    }
+    let o = carve_with_env(
+        &[
+            "simulate",
+            "--gpus",
+            "a100-40gb:1",
+            "--claims",
+            dir.path().to_str().unwrap(),
+        ],
+        tmp.path(),
+        &[("FAKE_MPS_CRASH_ON", "=20480M")],
+    );
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
+    let pid = check_mps_share(&out, "mps-share", 10240, 34, "v3", "hard");
+    let failed = block(&out, "mps-hard-limit");
+    assert!(
+        failed
+            .first()
+            .is_some_and(|l| l.contains("FAILED: NodePrepareResources")
+                && l.contains("closed the connection without an answer")),
+        "{failed:#?}\n{out}"
+    );
+    assert!(out.contains("released 1 claim(s)"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "no MPS daemon left: 1 daemon(s) served claims (pid {pid} on gpu-0-mps), all gone"
+        )),
+        "{out}"
+    );
     assert_nothing_left(tmp.path());
 }

@@ -958,6 +958,10 @@ impl Driver {
         {
             let mut st = self.state.lock().await;
             self.check_occupancy(claim, &planned, &live, &st, &guards)?;
+            let node_state_before = (
+                st.mig_enabled_by_plugin.clone(),
+                st.compute_mode_set_by_plugin.clone(),
+            );
             shared = Self::shared_units(&st, &claim.uid);
             // A whole GPU whose first MPS share this is goes to EXCLUSIVE_PROCESS:
             // note it before touching it, so a crash in between still restores it.
@@ -1051,8 +1055,22 @@ impl Driver {
                     devices: planned.iter().map(|p| p.record.clone()).collect(),
                 },
             );
-            if let Err(e) = self.persist(&st).await {
+            // PrepareStarted is persisted only when this prepare is about to
+            // change node state that outlives the claim (MIG mode, compute
+            // mode): recovery must know to put that back. Anything else a
+            // crash before PrepareCompleted leaves is found without it: GPU
+            // instances no completed claim owns are swept, CDI specs of
+            // unknown claims removed, MPS shares of unknown claims dropped.
+            let intent = node_state_before
+                != (
+                    st.mig_enabled_by_plugin.clone(),
+                    st.compute_mode_set_by_plugin.clone(),
+                );
+            if intent && let Err(e) = self.persist(&st).await {
                 st.claims.remove(&claim.uid);
+                let (m, c) = node_state_before;
+                st.mig_enabled_by_plugin = m;
+                st.compute_mode_set_by_plugin = c;
                 return Err(e.into());
             }
         }

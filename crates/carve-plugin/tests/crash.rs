@@ -215,8 +215,8 @@ async fn unprepare_ok(k: &FakeKubelet, c: &ClaimRef) {
     assert_eq!(r.claims[&c.uid].error, "");
 }
 
-async fn prepare_crash(p: &Point) {
-    let mut node = Node::new(vec![GpuEntry::new("h100-80gb", 2, false)]);
+async fn prepare_crash(p: &Point, mig_on: bool) {
+    let mut node = Node::new(vec![GpuEntry::new("h100-80gb", 2, mig_on)]);
     let api = api().await;
     let (a, b) = claims(&api);
     set_faults(&mut node, None);
@@ -285,8 +285,11 @@ async fn prepare_crash(p: &Point) {
     assert!(spec_files(&node).is_empty());
     c.stop().await;
     assert!(
-        node.sim_state().gpus.iter().all(|g| !g.mig_current),
-        "{p:?}: MIG mode returned"
+        node.sim_state()
+            .gpus
+            .iter()
+            .all(|g| g.mig_current == mig_on),
+        "{p:?}: MIG mode returned to what it was"
     );
 }
 
@@ -373,10 +376,29 @@ async fn crash_at_every_prepare_step() {
         Point::Write("checkpoint:3"),
     ]);
     for p in &points {
-        prepare_crash(p).await;
+        prepare_crash(p, false).await;
     }
     eprintln!("prepare crash points covered: {}", points.len());
     assert_eq!(points.len(), 9);
+}
+
+/// MIG mode already on (the steady state): prepare persists only
+/// PrepareCompleted, so a crash before it leaves an instance that no
+/// checkpointed claim names; recovery's sweep must remove it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_at_every_prepare_step_with_mig_mode_already_on() {
+    let mut points = nvml_points(&[
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        "nvmlGpuInstanceCreateComputeInstance",
+    ]);
+    // Write 1 of a process is recovery's checkpoint; then the CDI spec (cdi
+    // 1) and PrepareCompleted (checkpoint 2).
+    points.extend([Point::Write("cdi:1"), Point::Write("checkpoint:2")]);
+    for p in &points {
+        prepare_crash(p, true).await;
+    }
+    eprintln!("prepare crash points covered: {}", points.len());
+    assert_eq!(points.len(), 6);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,12 +37,9 @@ fn many_concurrent_claims_with_the_host_lock_finish_on_a_small_blocking_pool() {
                 )
             })
             .collect();
-        let out = tokio::time::timeout(
-            std::time::Duration::from_secs(120),
-            driver.prepare(claims),
-        )
-        .await
-        .expect("24 concurrent prepares with the host lock did not finish: deadlock");
+        let out = tokio::time::timeout(std::time::Duration::from_secs(120), driver.prepare(claims))
+            .await
+            .expect("24 concurrent prepares with the host lock did not finish: deadlock");
         for (c, r) in &out {
             r.as_ref().unwrap_or_else(|e| panic!("{c}: {e}"));
         }

@@ -52,12 +52,16 @@ fn make_pod_cgroup(node: &Node, pod: &str) -> PathBuf {
     rel
 }
 
-/// An allocated claim with MPS shares: (device, shareID, memory, SMs), reserved for `pod`.
+/// One MPS share of an allocation: device, shareID, and `consumedCapacity`
+/// (memory, SMs) if any.
+type Share<'a> = (&'a str, &'a str, Option<(&'a str, &'a str)>);
+
+/// An allocated claim with MPS shares, reserved for `pod`.
 fn put_mps(
     api: &ApiServer,
     name: &str,
     uid: &str,
-    shares: &[(&str, &str, Option<(&str, &str)>)],
+    shares: &[Share<'_>],
     pod: Option<&str>,
 ) -> ClaimRef {
     let results: Vec<serde_json::Value> = shares
@@ -71,23 +75,7 @@ fn put_mps(
             r
         })
         .collect();
-    let mut status = serde_json::json!({"allocation": {"devices": {"results": results}}});
-    if let Some(p) = pod {
-        status["reservedFor"] =
-            serde_json::json!([{"resource": "pods", "name": format!("pod-{name}"), "uid": p}]);
-    }
-    let obj = serde_json::json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default", "uid": uid},
-        "spec": {"devices": {"requests": []}},
-        "status": status,
-    });
-    api.store().insert(Resource::ResourceClaims, obj).unwrap();
-    ClaimRef {
-        namespace: "default".into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
+    put_results(api, name, uid, results, pod.as_slice())
 }
 
 async fn start(node: &Node, api: &ApiServer) -> Driver {
@@ -576,8 +564,9 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
     driver.unprepare_one("u-good").await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recovery_drops_a_share_whose_prepare_never_completed() {
+/// One H100 with MPS v3 and claim `u-a` holding one 8 GiB / 10 SM share of
+/// `gpu-0-mps`, prepared: the node, the API server, the driver, the daemon's pid.
+async fn one_share_prepared() -> (Node, ApiServer, Driver, u32) {
     let node = mps_node(
         vec![GpuEntry::new("h100-80gb", 1, false)],
         ProtocolChoice::Auto,
@@ -594,6 +583,12 @@ async fn recovery_drops_a_share_whose_prepare_never_completed() {
     let driver = start(&node, &api).await;
     ok(&driver.prepare(vec![a]).await, "u-a");
     let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    (node, api, driver, pid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_drops_a_share_whose_prepare_never_completed() {
+    let (node, api, driver, pid) = one_share_prepared().await;
     drop(driver);
     // Simulate a crash after the daemon took the share but before
     // PrepareCompleted: mark the claim PrepareStarted in the checkpoint.
@@ -630,22 +625,7 @@ async fn recovery_drops_a_share_whose_prepare_never_completed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_checkpoint_is_rebuilt_with_the_daemons_shares() {
-    let node = mps_node(
-        vec![GpuEntry::new("h100-80gb", 1, false)],
-        ProtocolChoice::Auto,
-    );
-    let api = api().await;
-    make_pod_cgroup(&node, POD_A);
-    let a = put_mps(
-        &api,
-        "a",
-        "u-a",
-        &[("gpu-0-mps", "s-a", Some(("8Gi", "10")))],
-        Some(POD_A),
-    );
-    let driver = start(&node, &api).await;
-    ok(&driver.prepare(vec![a]).await, "u-a");
-    let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    let (node, api, driver, pid) = one_share_prepared().await;
     let cdi = claim_spec_path(&node.config.cdi_dir, "u-a");
     let spec_before = CdiSpec::read(&cdi).unwrap();
     drop(driver);

@@ -12,22 +12,10 @@ use nvidia_ml_sim::GpuEntry;
 
 /// An allocated claim with one result carrying a `shareID`.
 fn put_share(api: &ApiServer, name: &str, uid: &str, device: &str, share: &str) -> ClaimRef {
-    let obj = serde_json::json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default", "uid": uid},
-        "spec": {"devices": {"requests": []}},
-        "status": {"allocation": {"devices": {"results": [
-            {"request": "r", "driver": "gpu.carve.dev", "pool": NODE, "device": device,
-             "shareID": share,
-             "consumedCapacity": {"memory": "0", "multiprocessors": "0"}}
-        ]}}}
-    });
-    api.store().insert(Resource::ResourceClaims, obj).unwrap();
-    ClaimRef {
-        namespace: "default".into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
+    let r = serde_json::json!({"request": "r", "driver": "gpu.carve.dev", "pool": NODE,
+        "device": device, "shareID": share,
+        "consumedCapacity": {"memory": "0", "multiprocessors": "0"}});
+    put_results(api, name, uid, vec![r], &[])
 }
 
 async fn start(node: &Node, api: &ApiServer) -> Driver {

@@ -96,11 +96,19 @@ fn mps_flags_are_checked_before_anything_is_created() {
     let (code, err) = with(&["--mps-control", "/bin/true"]);
     assert_ne!(code, 0);
     assert!(err.contains("--sharing"), "{err}");
-    let (code, err) = with(&["--sharing", "mps,timeslice", "--mps-control", "/no/such/mps-control"]);
+    let (code, err) = with(&[
+        "--sharing",
+        "mps,timeslice",
+        "--mps-control",
+        "/no/such/mps-control",
+    ]);
     assert_ne!(code, 0);
     assert!(
         err.contains("MPS is not installed") && err.contains("/no/such/mps-control"),
         "{err}"
     );
-    assert!(!state.exists(), "nothing is created before the flags are checked");
+    assert!(
+        !state.exists(),
+        "nothing is created before the flags are checked"
+    );
 }

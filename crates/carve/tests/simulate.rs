@@ -481,12 +481,8 @@ fn a_failed_prepare_is_reported_the_run_goes_on_and_exits_1() {
     assert_nothing_left(tmp.path());
 }
 
-#[test]
-fn mps_v2_puts_the_limits_in_the_container_environment() {
-    // Only the MPS examples, on one A100, with the legacy protocol: the
-    // enforcement is published as `client`, so the hard-limit claim finds no
-    // device and is reported; the other share gets client variables.
-    let tmp = tempfile::tempdir().unwrap();
+/// A claims directory with the two MPS examples.
+fn mps_examples() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
     for name in ["mps-share", "mps-hard-limit"] {
@@ -496,6 +492,16 @@ fn mps_v2_puts_the_limits_in_the_container_environment() {
         )
         .unwrap();
     }
+    dir
+}
+
+#[test]
+fn mps_v2_puts_the_limits_in_the_container_environment() {
+    // Only the MPS examples, on one A100, with the legacy protocol: the
+    // enforcement is published as `client`, so the hard-limit claim finds no
+    // device and is reported; the other share gets client variables.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = mps_examples();
     let o = carve(
         &[
             "simulate",
@@ -714,15 +720,7 @@ fn a_daemon_crash_fails_the_claim_that_hit_it_and_leaves_no_daemon() {
     // fails with the client's error, the first share stays prepared and is
     // released, and no daemon process survives the run.
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
-    for name in ["mps-share", "mps-hard-limit"] {
-        std::fs::copy(
-            examples.join(name).join("claim.yaml"),
-            dir.path().join(format!("{name}.yaml")),
-        )
-        .unwrap();
-    }
+    let dir = mps_examples();
     let o = carve_with_env(
         &[
             "simulate",

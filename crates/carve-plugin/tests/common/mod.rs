@@ -172,6 +172,37 @@ pub fn put_claim_pool(
     }
 }
 
+/// Store a ResourceClaim allocated with these raw `results`; `reserved_for`:
+/// pod UIDs for `status.reservedFor`.
+pub fn put_results(
+    api: &ApiServer,
+    name: &str,
+    uid: &str,
+    results: Vec<serde_json::Value>,
+    reserved_for: &[&str],
+) -> ClaimRef {
+    let mut status = serde_json::json!({"allocation": {"devices": {"results": results}}});
+    if !reserved_for.is_empty() {
+        status["reservedFor"] = reserved_for
+            .iter()
+            .enumerate()
+            .map(|(i, p)| serde_json::json!({"resource": "pods", "name": format!("pod-{name}-{i}"), "uid": p}))
+            .collect();
+    }
+    let obj = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": []}},
+        "status": status,
+    });
+    api.store().insert(Resource::ResourceClaims, obj).unwrap();
+    ClaimRef {
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
 pub fn put_unallocated(api: &ApiServer, name: &str, uid: &str) -> ClaimRef {
     let obj = serde_json::json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",

@@ -916,21 +916,14 @@ impl Driver {
             .filter(|p| matches!(p.record.kind, PreparedKind::Mps { .. }))
             .map(|p| p.record.gpu_index)
             .collect();
-        let b2 = self.backend.clone();
-        let modes: BTreeMap<u32, carve_gpu::ComputeMode> = blocking(move || {
-            mps_gpus
+        // One blocking hop for every read.
+        type Snapshot = (
+            BTreeMap<u32, (Vec<GpuInstanceInfo>, bool)>,
+            BTreeMap<u32, carve_gpu::ComputeMode>,
+        );
+        let (snap, modes): Snapshot = blocking(move || {
+            let snap = ids
                 .into_iter()
-                .map(|g| {
-                    b2.compute_mode(carve_gpu::ComputeTarget::Gpu(g))
-                        .map(|m| (g, m))
-                        .map_err(backend_err(format!("read compute mode of GPU {g}")))
-                })
-                .collect::<Result<_, ClaimError>>()
-        })
-        .await
-        .map_err(ClaimError::Task)??;
-        let snap: BTreeMap<u32, (Vec<GpuInstanceInfo>, bool)> = blocking(move || {
-            ids.into_iter()
                 .map(|g| {
                     let v = b
                         .gpu_instances(g)
@@ -940,7 +933,16 @@ impl Driver {
                         .map_err(backend_err(format!("read MIG mode of GPU {g}")))?;
                     Ok((g, (v, m.current)))
                 })
-                .collect::<Result<_, ClaimError>>()
+                .collect::<Result<_, ClaimError>>()?;
+            let modes = mps_gpus
+                .into_iter()
+                .map(|g| {
+                    b.compute_mode(carve_gpu::ComputeTarget::Gpu(g))
+                        .map(|m| (g, m))
+                        .map_err(backend_err(format!("read compute mode of GPU {g}")))
+                })
+                .collect::<Result<_, ClaimError>>()?;
+            Ok::<_, ClaimError>((snap, modes))
         })
         .await
         .map_err(ClaimError::Task)??;

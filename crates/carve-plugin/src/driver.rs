@@ -285,6 +285,9 @@ pub struct RecoveryReport {
     pub mps_units: Vec<(String, carve_mps::Ensure)>,
     /// MPS daemons stopped because no kept claim uses them.
     pub mps_stopped: Vec<String>,
+    /// MPS units of kept claims that could not be restored, with why; the
+    /// plugin starts anyway and supervision keeps trying.
+    pub mps_failed: Vec<(String, String)>,
     /// Devices whose compute mode was set back to `DEFAULT`.
     pub compute_mode_restored: Vec<String>,
 }
@@ -1892,6 +1895,7 @@ impl Driver {
         }
         report.mps_units = r.kept;
         report.mps_stopped = r.stopped;
+        report.mps_failed = r.failed;
 
         // Compute modes carve set on devices no kept share uses: back to DEFAULT.
         let before = body.compute_mode_set_by_plugin.clone();

@@ -246,6 +246,8 @@ pub(crate) struct Reconciled {
     pub kept: Vec<(String, Ensure)>,
     /// Units whose daemon was stopped (no kept share).
     pub stopped: Vec<String>,
+    /// Kept units that could not be restored, with why (supervision retries them).
+    pub failed: Vec<(String, String)>,
     /// Per (claim UID, shareID) of the kept shares: the container edits and
     /// the cgroup the daemon has for it (authoritative over a share rebuilt
     /// from the API server, which knows neither).
@@ -277,34 +279,46 @@ pub(crate) fn reconcile(
             }
         }
     }
+    let mut failed = Vec::new();
     for (unit, (t, clients)) in keep {
-        let mut ctl =
-            MpsControl::open(&setup.config, &setup.support, t.clone()).map_err(mps_err(unit))?;
-        let wanted: BTreeSet<(String, String)> = clients
-            .iter()
-            .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
-            .collect();
-        let stale: Vec<(String, String)> = ctl
-            .clients()
-            .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
-            .filter(|k| !wanted.contains(k))
-            .collect();
-        let what = ctl.ensure_running().map_err(mps_err(unit))?;
-        for (c, s) in &stale {
-            ctl.remove_client(c, s).map_err(mps_err(unit))?;
+        let mut one = || -> Result<Ensure, ClaimError> {
+            let mut ctl = MpsControl::open(&setup.config, &setup.support, t.clone())
+                .map_err(mps_err(unit))?;
+            let wanted: BTreeSet<(String, String)> = clients
+                .iter()
+                .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+                .collect();
+            let stale: Vec<(String, String)> = ctl
+                .clients()
+                .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+                .filter(|k| !wanted.contains(k))
+                .collect();
+            let what = ctl.ensure_running().map_err(mps_err(unit))?;
+            for (c, s) in &stale {
+                ctl.remove_client(c, s).map_err(mps_err(unit))?;
+            }
+            for c in clients {
+                let key = (c.claim_uid.clone(), c.share_id.clone());
+                let got = match ctl.share(&c.claim_uid, &c.share_id) {
+                    Some(s) => s,
+                    None => {
+                        let e = ctl.add_client(c.clone()).map_err(mps_err(unit))?;
+                        (e, c.cgroup.clone())
+                    }
+                };
+                shares.insert(key, got);
+            }
+            Ok(what)
+        };
+        match one() {
+            Ok(what) => kept.push((unit.clone(), what)),
+            // One unit that cannot be brought back must not keep the plugin
+            // (and every other GPU) from starting: supervision retries it.
+            Err(e) => {
+                tracing::error!(unit = %unit, error = %e, "MPS unit not restored at recovery");
+                failed.push((unit.clone(), e.to_string()));
+            }
         }
-        for c in clients {
-            let key = (c.claim_uid.clone(), c.share_id.clone());
-            let got = match ctl.share(&c.claim_uid, &c.share_id) {
-                Some(s) => s,
-                None => {
-                    let e = ctl.add_client(c.clone()).map_err(mps_err(unit))?;
-                    (e, c.cgroup.clone())
-                }
-            };
-            shares.insert(key, got);
-        }
-        kept.push((unit.clone(), what));
     }
     for unit in units.difference(&keep.keys().cloned().collect()) {
         let Some(uuid) = fallback_uuid(unit) else {
@@ -333,6 +347,7 @@ pub(crate) fn reconcile(
     Ok(Reconciled {
         kept,
         stopped,
+        failed,
         shares,
     })
 }

@@ -691,3 +691,61 @@ async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist
     assert!(!fake_log(&node, "gpu-0-mps").contains("u-hard"));
     driver.unprepare_one("u-client").await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_that_cannot_be_restored_does_not_stop_the_plugin() {
+    use std::os::unix::fs::PermissionsExt;
+    let (node, api, driver, pid) = one_share_prepared().await;
+    drop(driver);
+    nix_kill(pid);
+    wait_gone(pid);
+    // The daemon is dead and the control binary now refuses to set it up.
+    let script = node.dir.path().join("refusing-mps-control");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\nexport FAKE_MPS_REJECT='--name=carve'\nexec '{FAKE}' \"$@\"\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cfg = node.config.clone();
+    cfg.mps.as_mut().unwrap().config.control_binary = script;
+    let d = Driver::new(cfg, node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = d
+        .recover()
+        .await
+        .expect("recovery goes on without the unit");
+    assert_eq!(report.mps_failed.len(), 1, "{report:?}");
+    assert_eq!(report.mps_failed[0].0, "gpu-0-mps");
+    assert_eq!(report.kept, ["u-a"]);
+    let out = d.supervise_mps().await;
+    assert!(out[0].1.is_err(), "{out:?}");
+    drop(d);
+    // With a working binary again, supervision brings the unit back.
+    let d = Driver::new(node.config.clone(), node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = d.recover().await.unwrap();
+    assert!(report.mps_failed.is_empty(), "{report:?}");
+    // (The failed attempt already forgot the dead daemon: "started".)
+    assert!(
+        matches!(
+            report.mps_units[0].1,
+            carve_mps::Ensure::Started | carve_mps::Ensure::Restarted
+        ),
+        "{report:?}"
+    );
+    let new_pid = daemon_pid(&node, "gpu-0-mps").unwrap();
+    assert!(alive(new_pid));
+    let log = fake_log(&node, "gpu-0-mps");
+    assert!(
+        log.rsplit("start pid=")
+            .next()
+            .unwrap()
+            .contains("--name=u-a.s-a"),
+        "the share's namespace is applied to the new daemon: {log}"
+    );
+    d.unprepare_one("u-a").await.unwrap();
+    wait_gone(new_pid);
+}

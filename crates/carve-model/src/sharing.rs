@@ -1280,7 +1280,8 @@ mod tests {
 
     fn all_sharing() -> SharingOptions {
         SharingOptions {
-            mps: Some(CAPS),
+            mps_caps: Some(CAPS),
+            mps: true,
             timeslice: true,
             mig_mps: true,
         }
@@ -1401,7 +1402,8 @@ mod tests {
         assert!(ts.contains(&"gpu-0-ts".to_string()));
         assert!(!ts.iter().any(|n| n.ends_with("-mps")));
         let mps = names(SharingOptions {
-            mps: Some(CAPS),
+            mps_caps: Some(CAPS),
+            mps: true,
             ..Default::default()
         });
         assert_eq!(
@@ -1409,6 +1411,18 @@ mod tests {
                 .filter(|n| n.ends_with("-mps"))
                 .collect::<Vec<_>>(),
             ["gpu-0-mps"]
+        );
+        // MIG-MPS alone: no whole-GPU MPS device.
+        let mig_only = names(SharingOptions {
+            mps_caps: Some(CAPS),
+            mig_mps: true,
+            ..Default::default()
+        });
+        assert!(!mig_only.contains(&"gpu-0-mps".to_string()), "{mig_only:?}");
+        assert!(
+            mig_only
+                .iter()
+                .any(|n| n.contains("-mig-") && n.ends_with("-mps"))
         );
         // A MIG-MPS device comes right after its exclusive twin.
         let all = names(all_sharing());

@@ -147,13 +147,14 @@ pub struct NodeGpu {
 /// Which sharing devices a node publishes (default: none).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SharingOptions {
-    /// Publish `gpu-<i>-mps` for every GPU that shows its whole device, with
-    /// the enforcement the node's MPS setup has.
-    pub mps: Option<MpsCapabilities>,
+    /// The enforcement the node's MPS setup has (published with every MPS
+    /// device); needed by `mps` and `mig_mps`.
+    pub mps_caps: Option<MpsCapabilities>,
+    /// Publish `gpu-<i>-mps` for every GPU that shows its whole device.
+    pub mps: bool,
     /// Publish `gpu-<i>-ts` for every GPU that shows its whole device.
     pub timeslice: bool,
-    /// Publish `gpu-<i>-mig-<p>-<s>-mps` for every published MIG placement;
-    /// needs `mps` (its capabilities).
+    /// Publish `gpu-<i>-mig-<p>-<s>-mps` for every published MIG placement.
     pub mig_mps: bool,
 }
 
@@ -644,7 +645,7 @@ fn with_sharing(
     let mut out = Vec::with_capacity(units.len() * 2 + 2);
     for k in units {
         out.push(k);
-        match (k, sharing.mps) {
+        match (k, sharing.mps_caps) {
             (Kind::Mig { profile, start }, Some(caps)) if sharing.mig_mps => {
                 let name = &gpu.spec.profiles[profile].name;
                 if shareable(MpsDeviceSpec::mig(gpu, name, start, caps), gpu.index)? {
@@ -652,7 +653,7 @@ fn with_sharing(
                 }
             }
             (Kind::Whole, mps) => {
-                if let Some(caps) = mps
+                if let Some(caps) = mps.filter(|_| sharing.mps)
                     && shareable(MpsDeviceSpec::whole(gpu, caps), gpu.index)?
                 {
                     out.push(Kind::Mps);
@@ -1136,8 +1137,8 @@ fn make_device(
     };
     let consumes = |c: Option<Vec<DeviceCounterConsumption>>| c.unwrap_or_default();
     let caps = || {
-        sharing.mps.ok_or_else(|| SliceError::InvalidOption {
-            field: "sharing.mps",
+        sharing.mps_caps.ok_or_else(|| SliceError::InvalidOption {
+            field: "sharing.mps_caps",
             value: "None".into(),
             rule: "MPS devices need the node's MPS capabilities".into(),
         })
@@ -1297,12 +1298,17 @@ fn check_options(o: &SliceOptions) -> Result<(), SliceError> {
     if o.generation < 0 {
         return Err(bad("generation", &o.generation.to_string(), "negative"));
     }
-    if o.sharing.mig_mps && o.sharing.mps.is_none() {
-        return Err(bad(
-            "sharing.mig_mps",
-            "true",
-            "MIG-MPS devices need sharing.mps (the node's MPS capabilities)",
-        ));
+    for (field, on) in [
+        ("sharing.mps", o.sharing.mps),
+        ("sharing.mig_mps", o.sharing.mig_mps),
+    ] {
+        if on && o.sharing.mps_caps.is_none() {
+            return Err(bad(
+                field,
+                "true",
+                "MPS devices need sharing.mps_caps (the node's MPS capabilities)",
+            ));
+        }
     }
     Ok(())
 }

@@ -382,23 +382,14 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         let layout = KubeLayout::for_version(major, minor)?;
         let mut opts = SliceOptions::new(&args.node_name, layout);
         opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
-        opts.sharing.mps = mps.as_ref().map(|m| m.support.capabilities());
+        opts.sharing.mps_caps = mps.as_ref().map(|m| m.support.capabilities());
+        opts.sharing.mps = args.sharing.contains(&SharingKind::Mps);
         opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
         if !args.sharing.is_empty() && (major, minor) < (1, 36) {
             tracing::warn!(major, minor, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
         let mut desired = slices::build_slices(&inv.gpus, &opts)?;
         drop_devices(&mut desired, &inv.unusable_whole);
-        if opts.sharing.mig_mps && !args.sharing.contains(&SharingKind::Mps) {
-            // MIG-MPS needs the node's MPS capabilities in the options, which
-            // also publish the whole-GPU MPS devices: not asked for here.
-            let whole_mps: Vec<String> = inv
-                .gpus
-                .iter()
-                .map(|g| carve_model::DeviceName::Mps { gpu: g.gpu.index }.to_string())
-                .collect();
-            drop_devices(&mut desired, &whole_mps);
-        }
         let max_taints = match layout {
             KubeLayout::V134 => carve_plugin::health::MAX_TAINTS_PER_DEVICE_1_34,
             KubeLayout::V135Plus => carve_plugin::health::MAX_TAINTS_PER_DEVICE,

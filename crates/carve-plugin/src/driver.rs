@@ -1135,7 +1135,15 @@ impl Driver {
                 let pci = self.pci_map();
                 let mut recs = records;
                 let r = blocking(move || {
-                    let r = crate::mps::attach(&setup, &*b, &uid, &mut recs, &pods, &pci);
+                    let cx = crate::mps::AttachCtx {
+                        setup: &setup,
+                        backend: &*b,
+                        claim_uid: &uid,
+                        pods: &pods,
+                        pci: &pci,
+                        gpu_modes: &modes,
+                    };
+                    let r = crate::mps::attach(&cx, &mut recs);
                     (r, recs)
                 })
                 .await;

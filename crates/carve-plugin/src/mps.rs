@@ -85,16 +85,23 @@ fn resolve_cgroup(
     })
 }
 
-/// Put a unit's device into `EXCLUSIVE_PROCESS` before its daemon starts.
-/// Returns whether carve changed it (an administrator's setting is left alone).
-fn exclusive(b: &dyn GpuBackend, t: ComputeTarget) -> Result<bool, carve_gpu::BackendError> {
-    match b.compute_mode(t)? {
-        ComputeMode::ExclusiveProcess => Ok(false),
-        _ => {
-            b.set_compute_mode(t, ComputeMode::ExclusiveProcess)?;
-            Ok(true)
-        }
+/// Put a unit's device into `EXCLUSIVE_PROCESS` before its daemon starts;
+/// `known` is its mode if already read. Returns whether carve changed it (an
+/// administrator's setting is left alone).
+fn exclusive(
+    b: &dyn GpuBackend,
+    t: ComputeTarget,
+    known: Option<ComputeMode>,
+) -> Result<bool, carve_gpu::BackendError> {
+    let mode = match known {
+        Some(m) => m,
+        None => b.compute_mode(t)?,
+    };
+    if mode == ComputeMode::ExclusiveProcess {
+        return Ok(false);
     }
+    b.set_compute_mode(t, ComputeMode::ExclusiveProcess)?;
+    Ok(true)
 }
 
 /// What [`attach`] did besides filling in the shares' edits.
@@ -104,100 +111,108 @@ pub(crate) struct Attached {
     pub compute_mode_set: Vec<String>,
 }
 
-/// Attach every MPS share of `devices` (claim `claim_uid`) to its daemon and
-/// record the container edits in the share. On error, the shares attached so
-/// far are detached again (their daemons stopped if now idle, compute modes
+/// Where [`attach`] finds and puts things besides the devices.
+pub(crate) struct AttachCtx<'a> {
+    pub setup: &'a MpsSetup,
+    pub backend: &'a dyn GpuBackend,
+    pub claim_uid: &'a str,
+    /// Pod UIDs of the claim's `reservedFor`.
+    pub pods: &'a [String],
+    /// PCI bus ids by GPU index.
+    pub pci: &'a BTreeMap<u32, String>,
+    /// Compute modes of whole GPUs, as prepare already read them.
+    pub gpu_modes: &'a BTreeMap<u32, ComputeMode>,
+}
+
+/// Attach every MPS share of `devices` to its daemon and record the container
+/// edits and cgroup in the share. On error, the shares attached so far are
+/// detached again (their daemons stopped if now idle, compute modes
 /// restored), so nothing of this claim stays behind.
 pub(crate) fn attach(
-    setup: &MpsSetup,
-    b: &dyn GpuBackend,
-    claim_uid: &str,
+    cx: &AttachCtx<'_>,
     devices: &mut [DeviceRecord],
-    pods: &[String],
-    pci: &BTreeMap<u32, String>,
 ) -> Result<Attached, ClaimError> {
-    let mut done: Vec<usize> = Vec::new();
     let mut out = Attached::default();
-    let mut result = Ok(());
+    let mut done = Vec::new();
+    let mut failed = None;
     for (i, d) in devices.iter_mut().enumerate() {
-        let Some((t, ct)) = target(d, pci.get(&d.gpu_index).map(String::as_str)) else {
-            if d.kind.mps().is_some() {
-                result = Err(ClaimError::Task(format!(
-                    "device {}: the MIG instance of the MPS share is not known",
-                    d.device
-                )));
-                break;
-            }
+        if d.kind.mps().is_none() {
             continue;
-        };
-        let device = d.device.clone();
-        let share_id = d.share_id.clone().unwrap_or_default();
-        let step = (|| {
-            let cgroup = resolve_cgroup(setup, &device, pods)?;
-            let mut ctl = MpsControl::open(&setup.config, &setup.support, t.clone())
-                .map_err(mps_err(&device))?;
-            let first = ctl.is_idle();
-            if first
-                && exclusive(b, ct).map_err(|source| ClaimError::Backend {
-                    op: format!("set {} to EXCLUSIVE_PROCESS compute mode for MPS", t.uuid),
-                    source,
-                })?
-            {
-                out.compute_mode_set.push(t.uuid.clone());
-            }
-            let limits = match d.kind.mps() {
-                Some(s) => s.limits,
-                None => return Ok(None),
-            };
-            let edits = ctl
-                .add_client(ClientSpec {
-                    claim_uid: claim_uid.to_string(),
-                    share_id,
-                    limits,
-                    cgroup: cgroup.clone(),
-                })
-                .map_err(mps_err(&device));
-            match edits {
-                Ok(e) => Ok(Some((e, cgroup))),
-                Err(e) => {
-                    if first
-                        && let Some(pos) = out.compute_mode_set.iter().position(|u| *u == t.uuid)
-                    {
-                        let _ = b.set_compute_mode(ct, ComputeMode::Default);
-                        out.compute_mode_set.remove(pos);
-                    }
-                    Err(e)
-                }
-            }
-        })();
-        match step {
-            Ok(Some((edits, cgroup))) => {
-                if let PreparedKind::Mps { share }
-                | PreparedKind::Mig {
-                    mps: Some(share), ..
-                } = &mut d.kind
-                {
-                    share.edits = Some(edits);
-                    share.cgroup = cgroup;
-                }
-                done.push(i);
-            }
-            Ok(None) => {}
+        }
+        match attach_one(cx, d, &mut out) {
+            Ok(()) => done.push(i),
             Err(e) => {
-                result = Err(e);
+                failed = Some(e);
                 break;
             }
         }
     }
-    if let Err(e) = result {
+    if let Some(e) = failed {
         let undo: Vec<DeviceRecord> = done.iter().map(|&i| devices[i].clone()).collect();
         let set: BTreeSet<String> = out.compute_mode_set.iter().cloned().collect();
-        if let Err(re) = detach(setup, b, claim_uid, &undo, &set, pci) {
-            tracing::error!(claim.uid = claim_uid, error = %re, "rollback of MPS shares after a failed prepare");
+        if let Err(re) = detach(cx.setup, cx.backend, cx.claim_uid, &undo, &set, cx.pci) {
+            tracing::error!(claim.uid = cx.claim_uid, error = %re, "rollback of MPS shares after a failed prepare");
         }
         return Err(e);
     }
     Ok(out)
+}
+
+/// Attach one share (`d` has one). A compute mode set for it is undone if
+/// the daemon refuses the share.
+fn attach_one(
+    cx: &AttachCtx<'_>,
+    d: &mut DeviceRecord,
+    out: &mut Attached,
+) -> Result<(), ClaimError> {
+    let (t, ct) = target(d, cx.pci.get(&d.gpu_index).map(String::as_str)).ok_or_else(|| {
+        ClaimError::Task(format!(
+            "device {}: the MIG instance of the MPS share is not known",
+            d.device
+        ))
+    })?;
+    let cgroup = resolve_cgroup(cx.setup, &d.device, cx.pods)?;
+    let mut ctl = MpsControl::open(&cx.setup.config, &cx.setup.support, t.clone())
+        .map_err(mps_err(&d.device))?;
+    let known = match ct {
+        ComputeTarget::Gpu(g) => cx.gpu_modes.get(&g).copied(),
+        ComputeTarget::Mig { .. } => None,
+    };
+    let set_mode = ctl.is_idle()
+        && exclusive(cx.backend, ct, known).map_err(|source| ClaimError::Backend {
+            op: format!("set {} to EXCLUSIVE_PROCESS compute mode for MPS", t.uuid),
+            source,
+        })?;
+    let Some(limits) = d.kind.mps().map(|s| s.limits) else {
+        return Ok(());
+    };
+    let added = ctl.add_client(ClientSpec {
+        claim_uid: cx.claim_uid.to_string(),
+        share_id: d.share_id.clone().unwrap_or_default(),
+        limits,
+        cgroup: cgroup.clone(),
+    });
+    let edits = match added {
+        Ok(e) => e,
+        Err(e) => {
+            if set_mode {
+                let _ = cx.backend.set_compute_mode(ct, ComputeMode::Default);
+            }
+            return Err(mps_err(&d.device)(e));
+        }
+    };
+    if set_mode {
+        out.compute_mode_set.push(t.uuid.clone());
+    }
+    if let PreparedKind::Mps { share }
+    | PreparedKind::Mig {
+        mps: Some(share), ..
+    } = &mut d.kind
+    {
+        share.edits = Some(edits);
+        share.cgroup = cgroup;
+    }
+    Ok(())
 }
 
 /// Detach every MPS share of `devices` from its daemon; stop a daemon whose
@@ -213,13 +228,14 @@ pub(crate) fn detach(
 ) -> Result<Vec<String>, ClaimError> {
     let mut restored = Vec::new();
     for d in devices {
-        let Some(share) = d.kind.mps() else { continue };
+        if d.kind.mps().is_none() {
+            continue;
+        }
         let share_id = d.share_id.clone().unwrap_or_default();
         // A MIG share whose instance ids were never learnt never reached a daemon.
         let Some((t, ct)) = target(d, pci.get(&d.gpu_index).map(String::as_str)) else {
             continue;
         };
-        debug_assert_eq!(t.unit, share.unit);
         let mut ctl = MpsControl::open(&setup.config, &setup.support, t.clone())
             .map_err(mps_err(&d.device))?;
         ctl.remove_client(claim_uid, &share_id)

@@ -82,6 +82,23 @@ impl GpuInfo {
             profiles,
         }
     }
+
+    /// The GPU as the slice builder and the sharing model see it, with
+    /// `spec` (normally [`GpuInfo::spec`]). A driver version that is not a
+    /// version becomes `0.0.0`.
+    #[must_use]
+    pub fn physical(&self, spec: carve_model::GpuSpec) -> carve_model::PhysicalGpu {
+        carve_model::PhysicalGpu {
+            index: self.index,
+            minor: self.minor,
+            uuid: self.uuid.clone(),
+            pci_bus_id: Some(self.pci_bus_id.clone()),
+            pcie_root: None,
+            driver_version: carve_model::slices::semver_of(&self.driver_version)
+                .unwrap_or_else(|| "0.0.0".into()),
+            spec,
+        }
+    }
 }
 
 /// A compute instance inside a GPU instance.

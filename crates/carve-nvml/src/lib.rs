@@ -21,7 +21,7 @@ use carve_gpu::{
     BackendError, ComputeInstanceInfo, ComputeMode, ComputeTarget, GpuBackend, GpuInfo,
     GpuInstanceInfo, MigMode,
 };
-use carve_model::{Architecture, Engines, GpuSpec, MigProfile, Placement};
+use carve_model::{Architecture, Engines, MigProfile, Placement};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
@@ -677,15 +677,6 @@ impl NvmlBackend {
     }
 }
 
-/// The [`GpuSpec`] a GPU's NVML data describes. GPU totals that NVML does not
-/// report per GPU are derived from the profiles: memory slices = furthest
-/// placement end, compute slices = largest profile, engines = component-wise
-/// maximum over profiles.
-#[must_use]
-pub fn gpu_spec(info: &GpuInfo, profiles: Vec<MigProfile>) -> GpuSpec {
-    info.spec(profiles)
-}
-
 impl GpuBackend for NvmlBackend {
     fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError> {
         let n = self
@@ -707,7 +698,7 @@ impl GpuBackend for NvmlBackend {
             .iter()
             .map(|r| self.mig_profile(gpu, dev, r))
             .collect::<Result<Vec<_>, _>>()?;
-        let spec = gpu_spec(&info, profiles);
+        let spec = info.spec(profiles);
         spec.validate().map_err(|e| BackendError::Inconsistent {
             gpu,
             reason: e.to_string(),

@@ -471,16 +471,7 @@ impl Driver {
             .map(|(info, profiles)| {
                 let policy = policies.get(&info.index).copied().unwrap_or(default);
                 let mig_current = info.mig_mode.is_some_and(|m| m.current);
-                let physical = carve_model::PhysicalGpu {
-                    index: info.index,
-                    minor: info.minor,
-                    uuid: info.uuid.clone(),
-                    pci_bus_id: Some(info.pci_bus_id.clone()),
-                    pcie_root: None,
-                    driver_version: carve_model::slices::semver_of(&info.driver_version)
-                        .unwrap_or_else(|| "0.0.0".into()),
-                    spec: info.spec(profiles.clone()),
-                };
+                let physical = info.physical(info.spec(profiles.clone()));
                 (
                     info.index,
                     Arc::new(Gpu {

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use carve_gpu::GpuBackend;
-use carve_model::PhysicalGpu;
 use carve_model::slices::{self, GpuPolicy as SlicePolicy, KubeLayout, NodeGpu, SliceOptions};
 use carve_plugin::{GpuPolicy, PluginConfig};
 
@@ -245,7 +244,7 @@ fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inv
                 Err(e) => whole_only(&e.to_string()),
             }
         }
-        let mut spec = carve_nvml::gpu_spec(&info, profiles);
+        let mut spec = info.spec(profiles);
         if spec.mig_capable
             && let Err(e) = spec.validate()
         {
@@ -296,18 +295,8 @@ fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inv
                 GpuPolicy::Dynamic => SlicePolicy::Dynamic,
             }
         };
-        let driver_version =
-            slices::semver_of(&info.driver_version).unwrap_or_else(|| "0.0.0".into());
         gpus.push(NodeGpu {
-            gpu: PhysicalGpu {
-                index: info.index,
-                minor: info.minor,
-                uuid: info.uuid,
-                pci_bus_id: Some(info.pci_bus_id),
-                pcie_root: None,
-                driver_version,
-                spec,
-            },
+            gpu: info.physical(spec),
             policy: slice_policy,
         });
     }

@@ -1104,6 +1104,9 @@ fn schema_rejects_unknown_keys_and_bad_policies() {
         "nvml: {simulator: {config: {gpus: [{model: h100-80gb, cnt: 2}]}}}",
         "migPolicy: {perGpu: [{gpu: -1, policy: dynamic}]}",
         "kubeletPlugin: {metricsPort: 70000}",
+        "mps: {protocol: v4}",
+        "mps: {migInstances: yes-please}",
+        "timeslice: {enabled: true, slices: 4}",
         "typo: 1",
     ] {
         let instance = to_json(&values_with(overlay));

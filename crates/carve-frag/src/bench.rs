@@ -148,6 +148,13 @@ pub struct BenchReport {
     /// Feasible nodes the modelled scheduler finds and scores per task
     /// (`percentageOfNodesToScore`).
     pub nodes_to_find: usize,
+    /// Per tracked profile (the first classes): its popularity, the share of
+    /// single-device GPU tasks of the trace mapped to it (weights of the
+    /// fragmentation amount).
+    pub popularity: Vec<f64>,
+    /// Per tracked profile: the typical host request of its tasks, `(cpu
+    /// milli, memory MiB)`, medians over the trace rows mapped to it.
+    pub requests: Vec<(u64, u64)>,
 }
 
 /// Which figure of a sample to summarise.
@@ -163,6 +170,17 @@ pub enum Metric {
     StrandedMemory,
     /// Failed GPU tasks (all classes but CPU-only).
     FailedGpuTasks,
+    /// FGD-style MIG fragmentation amount, % of capacity: the sum over the
+    /// profiles `k` of popularity `p_k` × the free compute slices `k` cannot
+    /// use (no free placement on the GPU, or the node lacks `k`'s typical CPU
+    /// or RAM).
+    FragAmount,
+    /// The fragmentation amount as a share of the free compute slices, %.
+    FragRatio,
+}
+
+fn pct_f(x: f64, cap: u64) -> f64 {
+    100.0 * x / cap as f64
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -198,7 +216,27 @@ impl BenchReport {
                 let n = t.failures.len();
                 t.failures[..n.saturating_sub(1)].iter().sum::<u64>() as f64
             }
+            Metric::FragAmount => pct_f(self.frag_amount(t), self.compute_capacity),
+            Metric::FragRatio => {
+                let idle = self.compute_capacity - t.used_compute;
+                if idle == 0 {
+                    0.0
+                } else {
+                    pct_f(self.frag_amount(t), idle)
+                }
+            }
         }
+    }
+
+    /// The fragmentation amount of `t` in compute slices:
+    /// `Σ_k p_k × unusable_k` ([`Totals::unusable_compute`]).
+    #[must_use]
+    pub fn frag_amount(&self, t: &Totals) -> f64 {
+        self.popularity
+            .iter()
+            .zip(&t.unusable_compute)
+            .map(|(&p, &u)| p * u as f64)
+            .sum()
     }
 
     /// Values of `metric` for `policy` at `load_pct`, one per seed.
@@ -247,6 +285,8 @@ impl BenchReport {
                 "unallocated_memory_pct",
                 "stranded_compute_slices",
                 "stranded_memory_slices",
+                "mig_frag_amount_slices",
+                "mig_frag_ratio_pct",
             ]
             .iter()
             .map(|s| (*s).to_string())
@@ -273,6 +313,8 @@ impl BenchReport {
                     format!("{:.4}", self.value(s, Metric::UnallocatedMemory)),
                     t.stranded_compute.to_string(),
                     t.stranded_memory.to_string(),
+                    format!("{:.2}", self.frag_amount(t)),
+                    format!("{:.4}", self.value(s, Metric::FragRatio)),
                 ];
                 row.extend(t.failures.iter().map(u64::to_string));
                 w.write_record(&row).map_err(cerr)?;
@@ -344,6 +386,10 @@ pub(crate) struct Prepared {
     pub compute_capacity: u64,
     pub memory_capacity: u64,
     pub nodes_to_find: usize,
+    /// See [`BenchReport::popularity`].
+    pub popularity: Vec<f64>,
+    /// See [`BenchReport::requests`].
+    pub requests: Vec<(u64, u64)>,
 }
 
 impl Prepared {
@@ -356,8 +402,36 @@ impl Prepared {
             classes: self.mapper.classes().len(),
             compute_capacity: self.compute_capacity,
             nodes_to_find: self.nodes_to_find,
+            requests: &self.requests,
         }
     }
+}
+
+/// Popularity and typical `(cpu milli, memory MiB)` request of each tracked
+/// profile over the single-device GPU tasks of the trace (medians; `(0, 0)`
+/// for a profile no task maps to).
+fn profile_mix(demands: &[Demand], profiles: &[usize]) -> (Vec<f64>, Vec<(u64, u64)>) {
+    let single: Vec<&Demand> = demands.iter().filter(|d| d.count == 1).collect();
+    let med = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        v.get(v.len() / 2).copied().unwrap_or(0)
+    };
+    profiles
+        .iter()
+        .map(|&p| {
+            let of: Vec<&&Demand> = single.iter().filter(|d| d.profile == Some(p)).collect();
+            let pop = if single.is_empty() {
+                0.0
+            } else {
+                of.len() as f64 / single.len() as f64
+            };
+            let req = (
+                med(of.iter().map(|d| d.cpu_milli).collect()),
+                med(of.iter().map(|d| d.memory_mib).collect()),
+            );
+            (pop, req)
+        })
+        .unzip()
 }
 
 pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
@@ -421,6 +495,7 @@ pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
     let memory_capacity = gpus * u64::from(spec.memory_slices);
     let profiles = mapper.profiles();
     let nodes_to_find = crate::sim::nodes_to_find(caps.len(), cfg.nodes_to_score_pct);
+    let (popularity, requests) = profile_mix(&demands, &profiles);
     Ok(Prepared {
         model,
         spec,
@@ -434,6 +509,8 @@ pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
         compute_capacity,
         memory_capacity,
         nodes_to_find,
+        popularity,
+        requests,
     })
 }
 
@@ -534,6 +611,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, FragError> {
         internal: pr.mapper.internal(&pr.spec, &pr.tasks),
         samples,
         nodes_to_find: pr.nodes_to_find,
+        popularity: pr.popularity.clone(),
+        requests: pr.requests.clone(),
     })
 }
 
@@ -677,6 +756,25 @@ impl fmt::Display for BenchReport {
             f,
             "  repack-bound: carve's order while the profile has a free placement on a node; otherwise the node counts as feasible when its live instances plus the new ones pack onto its GPUs (exhaustive search over maximal per-GPU layouts) and is then re-packed (migrations allowed): optimistic per arrival, not a bound over the trajectory"
         )?;
+        let mix: Vec<String> = self
+            .popularity
+            .iter()
+            .zip(&self.requests)
+            .zip(&self.classes)
+            .map(|((p, (cpu, mem)), c)| {
+                format!(
+                    "{c} p={:.3} ({:.1} cores, {} MiB)",
+                    p,
+                    *cpu as f64 / 1000.0,
+                    mem
+                )
+            })
+            .collect();
+        writeln!(
+            f,
+            "  fragmentation amount (fragmentation.md §8.3): per profile k, the free compute slices on GPUs where k has no free placement or whose node has less free CPU/RAM than k's median request, weighted by k's share of single-device GPU tasks: {}",
+            mix.join(", ")
+        )?;
         self.table(
             f,
             "Unallocated compute slices %",
@@ -699,6 +797,18 @@ impl fmt::Display for BenchReport {
             f,
             "Stranded memory slices, % of capacity",
             Metric::StrandedMemory,
+            false,
+        )?;
+        self.table(
+            f,
+            "MIG fragmentation amount (FGD-style: Σ over profiles of popularity × free compute slices the profile cannot use), % of capacity",
+            Metric::FragAmount,
+            true,
+        )?;
+        self.table(
+            f,
+            "MIG fragmentation ratio (fragmentation amount / free compute slices), %",
+            Metric::FragRatio,
             false,
         )?;
         self.table(f, "Failed GPU tasks", Metric::FailedGpuTasks, false)?;
@@ -808,9 +918,17 @@ mod tests {
                     assert!(
                         s.totals.stranded_compute <= r.compute_capacity - s.totals.used_compute
                     );
+                    // The fragmentation amount counts free slices only, each
+                    // at most once per profile (popularities sum to 1).
+                    let idle = (r.compute_capacity - s.totals.used_compute) as f64;
+                    assert_eq!(s.totals.unusable_compute.len(), r.popularity.len());
+                    assert!(r.frag_amount(&s.totals) <= idle + 1e-9, "{}", s.policy);
+                    assert!(s.totals.unusable_compute.iter().all(|&u| u as f64 <= idle));
                 }
             }
         }
+        let pop: f64 = r.popularity.iter().sum();
+        assert!((pop - 1.0).abs() < 1e-9, "popularities sum to {pop}");
         // Arrived load reached 130 %, and the last task is the one that crossed it.
         let last = r
             .samples
@@ -860,6 +978,7 @@ mod tests {
             classes: mapper.classes().len(),
             compute_capacity: cap,
             nodes_to_find: crate::sim::nodes_to_find(caps.len(), 0),
+            requests: &[],
         };
         let seq = draw_sequence(&demands, 44, cap, 130);
         for pol in Policy::ALL {
@@ -935,6 +1054,8 @@ mod tests {
             "carve ",
             "×1.00",
             "internal fragmentation",
+            "MIG fragmentation amount",
+            "MIG fragmentation ratio",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }

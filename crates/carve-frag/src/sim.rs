@@ -365,6 +365,13 @@ pub struct Totals {
     pub failed_compute: Vec<u64>,
     /// Node re-packings so far (repack bound only).
     pub repacks: u64,
+    /// Per tracked profile (the mapper's profiles, smallest first): free
+    /// compute slices that profile cannot use, i.e. those on GPUs where it has
+    /// no free placement or whose node has less free CPU or RAM than the
+    /// profile's typical request ([`World::requests`]). The inputs of the
+    /// FGD-style MIG fragmentation amount (`fragmentation.md` §8.3 step 2).
+    /// Filled at the sample points of an inflation replay; empty in churn mode.
+    pub unusable_compute: Vec<u64>,
 }
 
 /// One placement: (task position in the sequence, node, GPU on the node,
@@ -413,6 +420,10 @@ pub(crate) struct World<'a> {
     /// Feasible nodes the scheduler looks for before it stops filtering and
     /// scores them ([`nodes_to_find`]); `nodes.len()` = every feasible node.
     pub nodes_to_find: usize,
+    /// Per tracked profile (as `profiles`): the typical host request of a
+    /// task of that profile, `(cpu milli, memory MiB)`, for the fragmentation
+    /// amount ([`Totals::unusable_compute`]).
+    pub requests: &'a [(u64, u64)],
 }
 
 /// kube-scheduler's `numFeasibleNodesToFind`: how many feasible nodes it
@@ -812,6 +823,33 @@ impl<'a, 'w> Replay<'a, 'w> {
     pub fn totals(&self) -> &Totals {
         &self.t
     }
+
+    /// Cluster totals now, with [`Totals::unusable_compute`] filled in (one
+    /// pass over every GPU: done only at sample points).
+    pub fn sample(&self) -> Totals {
+        let profiles = self.w.profiles;
+        let mut unusable = vec![0u64; profiles.len()];
+        for n in &self.nodes {
+            let cpu_free = n.cpu_cap.saturating_sub(n.cpu_used);
+            let mem_free = n.mem_cap.saturating_sub(n.mem_used);
+            for &st in &self.gpu_state[n.gpu0..n.gpu0 + n.gpus as usize] {
+                let free = u64::from(self.geo.info(st).free_compute);
+                if free == 0 {
+                    continue;
+                }
+                for (k, &p) in profiles.iter().enumerate() {
+                    let (cpu, mem) = self.w.requests.get(k).copied().unwrap_or((0, 0));
+                    if cpu > cpu_free || mem > mem_free || !self.geo.fits(st, p) {
+                        unusable[k] += free;
+                    }
+                }
+            }
+        }
+        Totals {
+            unusable_compute: unusable,
+            ..self.t.clone()
+        }
+    }
 }
 
 /// A placed task: where it went, so that it can leave again.
@@ -841,7 +879,7 @@ pub(crate) fn replay(
         while (points.len() as u32) < max_pct
             && r.t.arrived_compute * 100 >= (points.len() as u64 + 1) * cap
         {
-            points.push(r.t.clone());
+            points.push(r.sample());
         }
     }
     let final_gpus = r.gpu_state.iter().map(|&st| r.geo.instances(st)).collect();
@@ -924,6 +962,7 @@ mod tests {
             classes: 2,
             compute_capacity: 14,
             nodes_to_find: 1,
+            requests: &[],
         };
         let seq = [0, 0, 1, 1];
         let (p3, p4) = (pidx(&s, "3g.40gb"), pidx(&s, "4g.40gb"));
@@ -988,6 +1027,7 @@ mod tests {
             classes: 3,
             compute_capacity: 7,
             nodes_to_find: 1,
+            requests: &[],
         };
         let (p2, p3) = (pidx(&s, "2g.20gb"), pidx(&s, "3g.40gb"));
         let carve = replay(&w, Policy::Carve, 1, &[1, 1, 2], 1000, true);
@@ -1034,6 +1074,51 @@ mod tests {
         }
     }
 
+    /// One node, two H100s, 16 cores; profiles 1g, 2g, 3g, 4g, 7g; one 4g
+    /// task (2 cores). carve puts it at GPU 0 slice 0: GPU 0 keeps 3 free
+    /// compute slices (usable by 1g, 2g, 3g at 4), GPU 1 all 7. 4g has no
+    /// placement left on GPU 0 (3 unusable), nor 7g (3). With a typical 3g
+    /// request of 15 cores (more than the 14 left) every free slice is
+    /// unusable for 3g: 10.
+    #[test]
+    fn unusable_compute_per_profile_by_hand() {
+        let s = h100();
+        let names = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"];
+        let profiles: Vec<usize> = names.iter().map(|n| pidx(&s, n)).collect();
+        let mut d = demand(&s, "4g.40gb", 3);
+        d.cpu_milli = 2000;
+        let demands = vec![d];
+        let nodes = vec![NodeCap {
+            cpu_milli: 16_000,
+            memory_mib: 1 << 20,
+            gpus: 2,
+        }];
+        let requests = vec![(1000, 1024); 5];
+        let mut w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 5,
+            compute_capacity: 14,
+            nodes_to_find: 1,
+            requests: &requests,
+        };
+        let tr = replay(&w, Policy::Carve, 1, &[0], 1000, true);
+        assert_eq!(tr.log, vec![(0, 0, 0, pidx(&s, "4g.40gb"), 0)]);
+        let end = tr.points.last().unwrap();
+        assert_eq!(end.used_compute, 4);
+        assert_eq!(end.unusable_compute, vec![0, 0, 0, 3, 3]);
+        let mut busy = requests.clone();
+        busy[2] = (15_000, 1024);
+        w.requests = &busy;
+        let end = replay(&w, Policy::Carve, 1, &[0], 1000, false)
+            .points
+            .pop()
+            .unwrap();
+        assert_eq!(end.unusable_compute, vec![0, 0, 10, 3, 3]);
+    }
+
     #[test]
     fn nodes_to_find_matches_kube_scheduler() {
         // max(50 - n/125, 5) % of n, at least 100; all under 100 nodes.
@@ -1070,6 +1155,7 @@ mod tests {
             classes: 1,
             compute_capacity: 21,
             nodes_to_find: 1,
+            requests: &[],
         };
         let chosen = |w: &World<'_>| -> Vec<usize> {
             replay(w, Policy::Carve, 3, &[0, 0, 0, 0], 1000, true)

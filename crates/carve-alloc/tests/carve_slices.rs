@@ -8,7 +8,7 @@ use carve_model::sharing::{
     ComputeLimit, MemoryLimit, MpsCapabilities, MpsDeviceSpec, consume_all, time_slice_device,
 };
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, counter_set_name, simulated_node,
+    KubeLayout, NodeGpu, SliceOptions, build_slices, counter_set_name, simulated_node,
 };
 use common::*;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -25,13 +25,7 @@ fn example(dir: &str) -> ResourceClaim {
 /// the device slice that holds GPU 1).
 fn node(layout: KubeLayout, mps_limit: Option<MemoryLimit>) -> Inputs {
     let gpus = simulated_node("h100", 2).unwrap();
-    let node_gpus: Vec<NodeGpu> = gpus
-        .iter()
-        .map(|g| NodeGpu {
-            gpu: g.clone(),
-            policy: GpuPolicy::Dynamic,
-        })
-        .collect();
+    let node_gpus: Vec<NodeGpu> = gpus.iter().map(|g| NodeGpu::dynamic(g.clone())).collect();
     let mut slices = build_slices(&node_gpus, &SliceOptions::new("node-a", layout)).unwrap();
     if let Some(limit) = mps_limit {
         let set_name = counter_set_name(1);

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use carve_alloc::{AllocError, DefragPlan, Inputs, Object, Step, plan_defrag};
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, consumption_fits, simulated_node,
+    KubeLayout, NodeGpu, SliceOptions, build_slices, consumption_fits, simulated_node,
 };
 use common::*;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -26,10 +26,7 @@ fn nodes(names: &[&str], layout: KubeLayout) -> Vec<Object> {
         let gpus: Vec<NodeGpu> = simulated_node("h100", 1)
             .unwrap()
             .into_iter()
-            .map(|gpu| NodeGpu {
-                gpu,
-                policy: GpuPolicy::Dynamic,
-            })
+            .map(NodeGpu::dynamic)
             .collect();
         let slices = build_slices(&gpus, &SliceOptions::new(n, layout)).unwrap();
         objs.extend(slices.into_iter().map(Object::Slice));

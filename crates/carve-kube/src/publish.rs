@@ -408,9 +408,7 @@ fn classify(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use carve_model::slices::{
-        GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, simulated_node,
-    };
+    use carve_model::slices::{KubeLayout, NodeGpu, SliceOptions, build_slices, simulated_node};
 
     /// What carve publishes for two H200s, and the same with the counter
     /// fields removed as an API server without DRAPartitionableDevices does.
@@ -418,10 +416,7 @@ mod tests {
         let gpus: Vec<NodeGpu> = simulated_node("h200-141gb", 2)
             .unwrap()
             .into_iter()
-            .map(|gpu| NodeGpu {
-                gpu,
-                policy: GpuPolicy::Dynamic,
-            })
+            .map(NodeGpu::dynamic)
             .collect();
         let sent = build_slices(&gpus, &SliceOptions::new("node-a", layout)).unwrap();
         let mut stripped = sent.clone();

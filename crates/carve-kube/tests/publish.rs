@@ -8,7 +8,7 @@ use carve_apiserver::{ApiServer, Fault, KubeVersion, Options, Resource};
 use carve_kube::{ConflictRetry, PublishError, SlicePublisher, Verb, server_version};
 use carve_model::DRIVER_NAME;
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, simulated_node, validate_slices,
+    KubeLayout, NodeGpu, SliceOptions, build_slices, simulated_node, validate_slices,
 };
 use k8s_openapi::api::resource::v1::{
     Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
@@ -34,10 +34,7 @@ fn h200_node(count: u32) -> Vec<ResourceSlice> {
     let gpus: Vec<NodeGpu> = simulated_node("h200-141gb", count)
         .unwrap()
         .into_iter()
-        .map(|gpu| NodeGpu {
-            gpu,
-            policy: GpuPolicy::Dynamic,
-        })
+        .map(NodeGpu::dynamic)
         .collect();
     let slices = build_slices(&gpus, &SliceOptions::new(NODE, KubeLayout::V135Plus)).unwrap();
     validate_slices(&slices, KubeLayout::V135Plus).unwrap();

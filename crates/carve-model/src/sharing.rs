@@ -858,8 +858,8 @@ fn common_attributes(gpu: &PhysicalGpu) -> Result<BTreeMap<String, DeviceAttribu
 mod tests {
     use super::*;
     use crate::slices::{
-        GpuPolicy, KubeLayout, NodeGpu, SharingOptions, SliceOptions, build_slices,
-        consumption_fits, simulated_node,
+        KubeLayout, NodeGpu, SharingOptions, SliceOptions, build_slices, consumption_fits,
+        simulated_node,
     };
 
     const CAPS: MpsCapabilities = MpsCapabilities {
@@ -1172,10 +1172,7 @@ mod tests {
     fn built(model: &str) -> (PhysicalGpu, CounterSet, Vec<Device>) {
         let g = gpu(model);
         let slices = build_slices(
-            &[NodeGpu {
-                gpu: g.clone(),
-                policy: GpuPolicy::Dynamic,
-            }],
+            &[NodeGpu::dynamic(g.clone())],
             &SliceOptions::new("node-1", KubeLayout::V135Plus),
         )
         .unwrap();
@@ -1296,10 +1293,7 @@ mod tests {
         let gpus: Vec<NodeGpu> = simulated_node(model, count)
             .unwrap()
             .into_iter()
-            .map(|gpu| NodeGpu {
-                gpu,
-                policy: GpuPolicy::Dynamic,
-            })
+            .map(NodeGpu::dynamic)
             .collect();
         let mut o = SliceOptions::new("node-1", layout);
         o.sharing = sharing;

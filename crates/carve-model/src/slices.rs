@@ -25,6 +25,7 @@ mod summary;
 mod validate;
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
@@ -142,6 +143,28 @@ pub struct NodeGpu {
     pub gpu: PhysicalGpu,
     /// Its policy.
     pub policy: GpuPolicy,
+    /// MIG mode is on and leaving it needs a GPU reset (Ampere): CUDA work runs
+    /// only inside MIG instances, so neither the whole GPU nor its whole-GPU
+    /// sharing devices (MPS, time-slice) are published, whatever the policy.
+    pub mig_locked: bool,
+}
+
+impl NodeGpu {
+    /// A GPU with `policy` whose MIG mode is not locked on.
+    #[must_use]
+    pub fn new(gpu: PhysicalGpu, policy: GpuPolicy) -> Self {
+        Self {
+            gpu,
+            policy,
+            mig_locked: false,
+        }
+    }
+
+    /// A GPU carve partitions on demand ([`GpuPolicy::Dynamic`]).
+    #[must_use]
+    pub fn dynamic(gpu: PhysicalGpu) -> Self {
+        Self::new(gpu, GpuPolicy::Dynamic)
+    }
 }
 
 /// Which sharing devices a node publishes (default: none).
@@ -506,6 +529,53 @@ fn mig_consumption(
     )
 }
 
+/// Specs whose [`ModelCounters`] a build of this process already worked out,
+/// most recent last. The counters are a pure function of the spec, and working
+/// them out enumerates every layout of the model (the costliest step of a
+/// build), so the plugin's rebuilds (a health change, a new generation) reuse
+/// them instead of enumerating again. Bounded: a node has a few GPU models.
+static MODEL_COUNTERS: Mutex<Vec<(GpuSpec, Arc<ModelCounters>)>> = Mutex::new(Vec::new());
+/// Specs [`MODEL_COUNTERS`] keeps.
+const MODEL_COUNTERS_KEPT: usize = 8;
+
+/// The counters of `spec` (a MIG-capable spec or one publishing sharing
+/// devices), from [`MODEL_COUNTERS`] or worked out and kept there.
+fn model_counters(spec: &GpuSpec) -> Arc<ModelCounters> {
+    let cached = |cache: &[(GpuSpec, Arc<ModelCounters>)]| {
+        cache
+            .iter()
+            .find(|(s, _)| s == spec)
+            .map(|(_, c)| Arc::clone(c))
+    };
+    // A panic while the lock was held cannot leave a half-made entry (entries
+    // are pushed whole), so a poisoned cache is still sound.
+    if let Some(c) = cached(
+        &MODEL_COUNTERS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner),
+    ) {
+        return c;
+    }
+    // Worked out without the lock: concurrent builds of a new model may both
+    // compute it, and the first one kept wins.
+    let made = Arc::new(if spec.mig_capable {
+        ModelCounters::new(spec, max_layout_totals(spec))
+    } else {
+        ModelCounters::plain(spec)
+    });
+    let mut cache = MODEL_COUNTERS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(c) = cached(&cache) {
+        return c;
+    }
+    if cache.len() >= MODEL_COUNTERS_KEPT {
+        cache.remove(0);
+    }
+    cache.push((spec.clone(), Arc::clone(&made)));
+    made
+}
+
 /// The counter set of one GPU: its name and its model's counters.
 #[derive(Clone, Debug)]
 struct CounterModel<'m> {
@@ -748,10 +818,24 @@ impl SpecOrder {
     }
 }
 
-/// The MIG instances a GPU publishes: every placement (dynamic), the static
-/// instances, or none (whole GPU only). Checks the static layout; the spec is
-/// checked by the caller.
+/// The units a GPU publishes: every placement (dynamic) or the static
+/// instances, and the whole GPU (dynamic, or static without instances) unless
+/// its MIG mode is locked on. Checks the static layout; the spec is checked by
+/// the caller.
 fn gpu_units(g: &NodeGpu, so: &SpecOrder) -> Result<Vec<Kind>, SliceError> {
+    let mut units = mig_units(g, so)?;
+    let whole = match &g.policy {
+        GpuPolicy::Dynamic => true,
+        GpuPolicy::Static { instances } => instances.is_empty(),
+    };
+    if whole && !(g.mig_locked && g.gpu.spec.mig_capable) {
+        units.push(Kind::Whole);
+    }
+    Ok(units)
+}
+
+/// The MIG instances of [`gpu_units`].
+fn mig_units(g: &NodeGpu, so: &SpecOrder) -> Result<Vec<Kind>, SliceError> {
     let gpu = g.gpu.index;
     let spec = &g.gpu.spec;
     let product = || spec.product_name.clone();
@@ -764,10 +848,9 @@ fn gpu_units(g: &NodeGpu, so: &SpecOrder) -> Result<Vec<Kind>, SliceError> {
                     units.extend(ranked(pi).map(|start| Kind::Mig { profile: pi, start }));
                 }
             }
-            units.push(Kind::Whole);
             Ok(units)
         }
-        GpuPolicy::Static { instances } if instances.is_empty() => Ok(vec![Kind::Whole]),
+        GpuPolicy::Static { instances } if instances.is_empty() => Ok(Vec::new()),
         GpuPolicy::Static { instances } => {
             if !spec.mig_capable {
                 return Err(SliceError::StaticOnNonMig {
@@ -1084,12 +1167,15 @@ fn capacity(memory_mib: u64, multiprocessors: u32) -> BTreeMap<String, DeviceCap
 }
 
 /// Per GPU, what its devices share, made once: the common attributes and, per
-/// profile on first use, a MIG device's attributes (all but `placementStart`)
+/// profile on first use, a MIG device's attributes (`placementStart` still 0)
 /// and capacity.
 struct GpuParts {
     common: BTreeMap<String, DeviceAttribute>,
     mig: Vec<Option<MigParts>>,
 }
+
+/// The attribute holding a MIG device's placement start.
+const PLACEMENT_START: &str = "placementStart";
 
 type MigParts = (
     BTreeMap<String, DeviceAttribute>,
@@ -1116,6 +1202,9 @@ impl GpuParts {
             attrs.insert("profile".into(), a_str(prof.name.clone()));
             attrs.insert("memorySlices".into(), a_int(prof.memory_slices));
             attrs.insert("computeSlices".into(), a_int(prof.compute_slices));
+            // Set per device; present here so that a device's copy only
+            // changes a value (no insert into a cloned map).
+            attrs.insert(PLACEMENT_START.into(), a_int(0));
             (attrs, capacity(prof.memory_mib, prof.multiprocessors))
         })
     }
@@ -1170,7 +1259,9 @@ fn make_device(
         Kind::Mig { profile, start } => {
             let (attrs, caps) = parts.mig(spec, profile);
             let mut attrs = attrs.clone();
-            attrs.insert("placementStart".into(), a_int(start));
+            if let Some(a) = attrs.get_mut(PLACEMENT_START) {
+                a.int = Some(start.into());
+            }
             Device {
                 name: p.name.to_string(),
                 attributes: Some(attrs),
@@ -1338,9 +1429,9 @@ pub fn build_slices(
 ) -> Result<Vec<ResourceSlice>, SliceError> {
     check_options(opts)?;
     let planned = plan(gpus, opts.order, &opts.sharing)?;
-    // The counters, and layout enumeration (the costly part), once per
-    // distinct spec; `shared_of[gi]` indexes `shared`.
-    let mut shared: Vec<(&GpuSpec, ModelCounters)> = Vec::new();
+    // The counters of each distinct spec (see [`model_counters`]);
+    // `shared_of[gi]` indexes `shared`.
+    let mut shared: Vec<(&GpuSpec, Arc<ModelCounters>)> = Vec::new();
     let mut shared_of: Vec<Option<usize>> = Vec::with_capacity(gpus.len());
     for g in gpus {
         let spec = &g.gpu.spec;
@@ -1357,12 +1448,7 @@ pub fn build_slices(
         let i = match shared.iter().position(|(s, _)| *s == spec) {
             Some(i) => i,
             None => {
-                let counters = if spec.mig_capable {
-                    ModelCounters::new(spec, max_layout_totals(spec))
-                } else {
-                    ModelCounters::plain(spec)
-                };
-                shared.push((spec, counters));
+                shared.push((spec, model_counters(spec)));
                 shared.len() - 1
             }
         };

@@ -16,12 +16,7 @@ use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
 const LAYOUTS: [KubeLayout; 2] = [KubeLayout::V134, KubeLayout::V135Plus];
 
 fn dynamic(gpus: Vec<PhysicalGpu>) -> Vec<NodeGpu> {
-    gpus.into_iter()
-        .map(|gpu| NodeGpu {
-            gpu,
-            policy: GpuPolicy::Dynamic,
-        })
-        .collect()
+    gpus.into_iter().map(NodeGpu::dynamic).collect()
 }
 
 fn node(model: &str, n: u32) -> Vec<NodeGpu> {
@@ -823,4 +818,83 @@ fn validation_failure_of_built_slices_is_an_error_not_output() {
             .rule(),
         Rule::SliceCount
     );
+}
+
+#[test]
+fn a_gpu_locked_in_mig_mode_publishes_no_whole_device_in_any_form() {
+    use carve_model::sharing::{ComputeLimit, MemoryLimit, MpsCapabilities};
+    let mut gpus = dynamic(simulated_gpus(&[("a100-40gb".to_string(), 3)]).unwrap());
+    gpus[0].mig_locked = true;
+    gpus[1].mig_locked = true;
+    gpus[1].policy = GpuPolicy::Static {
+        instances: vec![("3g.20gb".into(), 4)],
+    };
+    gpus[2].policy = GpuPolicy::Static { instances: vec![] };
+    let reference = build_slices(
+        &dynamic(simulated_node("a100-40gb", 1).unwrap()),
+        &SliceOptions::new("n", KubeLayout::V135Plus),
+    )
+    .unwrap();
+    let placements = devices(&reference)
+        .iter()
+        .filter(|d| d.name.starts_with("gpu-0-mig-"))
+        .count();
+    for layout in LAYOUTS {
+        let mut o = SliceOptions::new("n", layout);
+        o.sharing.mps_caps = Some(MpsCapabilities {
+            memory_limit: MemoryLimit::Hard,
+            compute_limit: ComputeLimit::Percentage,
+        });
+        o.sharing.mps = true;
+        o.sharing.timeslice = true;
+        let slices = build_slices(&gpus, &o).unwrap();
+        validate_slices(&slices, layout).unwrap();
+        let names: Vec<&str> = devices(&slices).iter().map(|d| d.name.as_str()).collect();
+        let on = |g: &str| {
+            names
+                .iter()
+                .filter(|n| n.starts_with(&format!("{g}-")) || **n == g)
+                .copied()
+                .collect::<Vec<_>>()
+        };
+        // Dynamic and locked: every placement, no gpu-0 / gpu-0-mps / gpu-0-ts.
+        let g0 = on("gpu-0");
+        assert_eq!(g0.len(), placements, "{g0:?}");
+        assert!(g0.iter().all(|n| n.starts_with("gpu-0-mig-")), "{g0:?}");
+        // Static and locked: only its instance.
+        assert_eq!(on("gpu-1"), ["gpu-1-mig-3g20gb-4"]);
+        // Not locked, static without instances: the whole GPU and its sharing forms.
+        let mut g2 = on("gpu-2");
+        g2.sort_unstable();
+        assert_eq!(g2, ["gpu-2", "gpu-2-mps", "gpu-2-ts"]);
+        // The locked GPUs keep their counter sets (their placements consume them).
+        assert_eq!(sets(&slices).len(), 3);
+    }
+}
+
+#[test]
+fn counters_kept_between_builds_follow_the_spec_not_the_product() {
+    // A build keeps each spec's counters for later builds of this process: a
+    // spec that differs only in its numbers (same product name) must not get
+    // the first one's counters.
+    let opts = SliceOptions::new("n", KubeLayout::V135Plus);
+    let memory = |gpus: &[NodeGpu]| {
+        let slices = build_slices(gpus, &opts).unwrap();
+        sets(&slices)["gpu-0-counters"].counters["memory"]
+            .value
+            .0
+            .clone()
+    };
+    let stock = node("h100-80gb", 1);
+    let mut smaller = stock.clone();
+    // Every profile and the whole GPU 1 GiB smaller: every layout's total
+    // memory changes, so the counter must.
+    let spec = &mut smaller[0].gpu.spec;
+    spec.memory_mib -= 1024;
+    for p in &mut spec.profiles {
+        p.memory_mib -= 1024;
+    }
+    let (a, b, again) = (memory(&stock), memory(&smaller), memory(&stock));
+    assert_ne!(a, b);
+    assert_eq!(a, again);
 }

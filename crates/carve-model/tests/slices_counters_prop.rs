@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use carve_model::geometry::{Instance, Occupancy, layouts};
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, SliceOptions, build_slices, consumption_fits, parse_quantity,
+    KubeLayout, NodeGpu, SliceOptions, build_slices, consumption_fits, parse_quantity,
     simulated_node,
 };
 use carve_model::{DeviceName, GpuSpec, MODELS};
@@ -33,10 +33,7 @@ fn fixtures() -> &'static [Fixture] {
                 let gpus: Vec<NodeGpu> = simulated_node(m.key, 1)
                     .unwrap()
                     .into_iter()
-                    .map(|gpu| NodeGpu {
-                        gpu,
-                        policy: GpuPolicy::Dynamic,
-                    })
+                    .map(NodeGpu::dynamic)
                     .collect();
                 let spec = gpus[0].gpu.spec.clone();
                 let slices =

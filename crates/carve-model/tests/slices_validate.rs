@@ -4,8 +4,7 @@
 use std::collections::BTreeMap;
 
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, Rule, SliceOptions, build_slices, simulated_node,
-    validate_slices,
+    KubeLayout, NodeGpu, Rule, SliceOptions, build_slices, simulated_node, validate_slices,
 };
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, Counter, CounterSet, Device, DeviceAttribute, DeviceCounterConsumption,
@@ -17,10 +16,7 @@ fn good(layout: KubeLayout, gpus: u32) -> Vec<ResourceSlice> {
     let gpus: Vec<NodeGpu> = simulated_node("h100-80gb", gpus)
         .unwrap()
         .into_iter()
-        .map(|gpu| NodeGpu {
-            gpu,
-            policy: GpuPolicy::Dynamic,
-        })
+        .map(NodeGpu::dynamic)
         .collect();
     let s = build_slices(&gpus, &SliceOptions::new("node-a", layout)).unwrap();
     validate_slices(&s, layout).unwrap();
@@ -645,10 +641,7 @@ fn pools_are_checked_apart_when_their_slices_interleave() {
         let gpus: Vec<NodeGpu> = simulated_node("h100-80gb", 2)
             .unwrap()
             .into_iter()
-            .map(|gpu| NodeGpu {
-                gpu,
-                policy: GpuPolicy::Dynamic,
-            })
+            .map(NodeGpu::dynamic)
             .collect();
         build_slices(&gpus, &SliceOptions::new(name, V135)).unwrap()
     };

@@ -210,20 +210,6 @@ pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
 /// What the node publishes, read once from the backend.
 struct Inventory {
     gpus: Vec<NodeGpu>,
-    /// Whole-GPU devices that must not be published: an Ampere GPU in MIG mode
-    /// runs CUDA work only inside MIG instances, and leaving MIG mode needs a
-    /// GPU reset, so its whole device could never be handed out usefully.
-    unusable_whole: Vec<String>,
-}
-
-/// Remove the named devices from the slices (they only consume counters, so
-/// nothing else refers to them).
-fn drop_devices(slices: &mut [k8s_openapi::api::resource::v1::ResourceSlice], names: &[String]) {
-    for s in slices {
-        if let Some(devices) = s.spec.devices.as_mut() {
-            devices.retain(|d| !names.contains(&d.name));
-        }
-    }
 }
 
 /// Read the GPUs and decide per GPU what can be published. A GPU whose MIG data
@@ -232,7 +218,6 @@ fn drop_devices(slices: &mut [k8s_openapi::api::resource::v1::ResourceSlice], na
 fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inventory> {
     let infos = backend.gpus().context("listing GPUs through NVML")?;
     let mut gpus = Vec::with_capacity(infos.len());
-    let mut unusable_whole = Vec::new();
     for info in infos {
         let whole_only = |reason: &str| {
             tracing::error!(gpu.index = info.index, gpu.uuid = %info.uuid, reason, "publishing only the whole GPU");
@@ -257,16 +242,10 @@ fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inv
             spec.compute_slices = 0;
         }
         let mig_on = info.mig_mode.is_some_and(|m| m.current);
-        if spec.mig_capable && mig_on && info.architecture.mig_mode_needs_reset() {
-            // The whole GPU and its whole-GPU sharing forms alike.
-            for n in [
-                carve_model::DeviceName::Gpu { gpu: info.index },
-                carve_model::DeviceName::Mps { gpu: info.index },
-                carve_model::DeviceName::TimeSlice { gpu: info.index },
-            ] {
-                unusable_whole.push(n.to_string());
-            }
-        }
+        // An Ampere GPU in MIG mode runs CUDA work only inside MIG instances and
+        // leaves MIG mode only with a GPU reset: its whole device could never be
+        // handed out usefully.
+        let mig_locked = spec.mig_capable && mig_on && info.architecture.mig_mode_needs_reset();
         let slice_policy = if !spec.mig_capable {
             SlicePolicy::Dynamic
         } else {
@@ -298,12 +277,10 @@ fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inv
         gpus.push(NodeGpu {
             gpu: info.physical(spec),
             policy: slice_policy,
+            mig_locked,
         });
     }
-    Ok(Inventory {
-        gpus,
-        unusable_whole,
-    })
+    Ok(Inventory { gpus })
 }
 
 async fn kube_client(url: Option<&str>) -> anyhow::Result<kube::Client> {
@@ -378,7 +355,6 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
             tracing::warn!(major, minor, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
         let mut desired = slices::build_slices(&inv.gpus, &opts)?;
-        drop_devices(&mut desired, &inv.unusable_whole);
         let max_taints = match layout {
             KubeLayout::V134 => carve_plugin::health::MAX_TAINTS_PER_DEVICE_1_34,
             KubeLayout::V135Plus => carve_plugin::health::MAX_TAINTS_PER_DEVICE,

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use anyhow::Context as _;
 use carve_model::order::DeviceOrder;
-use carve_model::slices::{self, GpuPolicy, KubeLayout, NodeGpu, SliceOptions};
+use carve_model::slices::{self, KubeLayout, NodeGpu, SliceOptions};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
 /// Output format.
@@ -66,13 +66,7 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
     let layout = KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)?;
     let mut opts = SliceOptions::new(&args.node, layout);
     opts.order = args.order.into();
-    let node: Vec<NodeGpu> = gpus
-        .into_iter()
-        .map(|gpu| NodeGpu {
-            gpu,
-            policy: GpuPolicy::Dynamic,
-        })
-        .collect();
+    let node: Vec<NodeGpu> = gpus.into_iter().map(NodeGpu::dynamic).collect();
     Ok(slices::build_slices(&node, &opts)?)
 }
 

@@ -541,13 +541,19 @@ fn validate_slice(
     }
     let per_device = spec.per_device_node_selection == Some(true);
     let mut device_counters = 0usize;
-    // The attribute names of the last device that passed: a name equal to
-    // one of them is known to be valid (devices of one GPU share most).
-    let mut known_names = None;
+    // The attributes of the last device that passed (see `validate_device`).
+    let mut known_attributes = None;
     for d in devices {
-        device_counters +=
-            validate_device(d, layout, per_device, &set_names, &c, consumed, known_names)?;
-        known_names = d.attributes.as_ref();
+        device_counters += validate_device(
+            d,
+            layout,
+            per_device,
+            &set_names,
+            &c,
+            consumed,
+            known_attributes,
+        )?;
+        known_attributes = d.attributes.as_ref();
     }
     if layout == KubeLayout::V134 && device_counters > limits::DEVICE_COUNTERS_PER_SLICE_V134 {
         return Err(c.slice(
@@ -687,7 +693,7 @@ fn validate_device(
     slice_sets: &BTreeSet<&str>,
     c: &Ctx<'_>,
     consumed: &mut Vec<Amount>,
-    known_names: Option<&BTreeMap<String, DeviceAttribute>>,
+    known_attributes: Option<&BTreeMap<String, DeviceAttribute>>,
 ) -> Result<usize, ValidationError> {
     let name = d.name.as_str();
     let err = |rule, detail: String| c.device(name, rule, detail);
@@ -699,12 +705,19 @@ fn validate_device(
     }
     let attrs = d.attributes.as_ref();
     let caps = d.capacity.as_ref();
-    // Both maps are sorted: walk the known names along with these.
-    let mut known = known_names.into_iter().flat_map(BTreeMap::keys).peekable();
+    // Both maps are sorted: walk the known attributes along with these. A
+    // name equal to a known one is valid, and so is an attribute equal to a
+    // known one, name and value (devices of one GPU share most of them).
+    let mut known = known_attributes.into_iter().flatten().peekable();
     for (k, a) in attrs.into_iter().flatten() {
-        while known.next_if(|n| *n < k).is_some() {}
-        let valid = known.peek().is_some_and(|n| *n == k);
-        if !valid && let Some(p) = qualified_name_problem(k) {
+        while known.next_if(|(n, _)| *n < k).is_some() {}
+        let same_name = known.peek().filter(|(n, _)| *n == k);
+        if same_name.is_some_and(|(_, v)| *v == a) {
+            continue;
+        }
+        if same_name.is_none()
+            && let Some(p) = qualified_name_problem(k)
+        {
             return Err(err(Rule::AttributeName, format!("attribute {k:?}: {p}")));
         }
         let n = attribute_values(a);

@@ -354,7 +354,7 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         if !args.sharing.is_empty() && (major, minor) < (1, 36) {
             tracing::warn!(major, minor, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
-        let mut desired = slices::build_slices(&inv.gpus, &opts)?;
+        let desired = slices::build_slices(&inv.gpus, &opts)?;
         let max_taints = match layout {
             KubeLayout::V134 => carve_plugin::health::MAX_TAINTS_PER_DEVICE_1_34,
             KubeLayout::V135Plus => carve_plugin::health::MAX_TAINTS_PER_DEVICE,

@@ -189,7 +189,7 @@ impl CdiSpec {
             path: path.to_path_buf(),
             source: e.into(),
         })?;
-        atomic_write(path, &bytes, FileKind::Cdi, fault).map_err(|source| CdiError::Io {
+        atomic_write(path, &bytes, FileKind::Cdi, false, fault).map_err(|source| CdiError::Io {
             path: path.to_path_buf(),
             source,
         })

@@ -1,6 +1,31 @@
 //! The plugin checkpoint: which claims are prepared and which MIG instances
 //! they own. Versioned JSON with a sha256 checksum of the canonical body,
-//! replaced atomically on every change.
+//! replaced atomically on every change (temp file, rename: a process that
+//! crashes at any point leaves the previous or the new file, and the next
+//! process reads it from the page cache).
+//!
+//! # When a write is fsynced
+//!
+//! An fsync only matters across a power loss or kernel crash, that is across
+//! a reboot. Almost nothing the checkpoint records outlives one: GPU and
+//! compute instances, CDI specs (under `/var/run`), MPS daemons and compute
+//! modes are gone, and recovery discards the claims and compute modes of a
+//! checkpoint whose boot id is not the current boot's. The one exception is
+//! [`CheckpointBody::mig_enabled_by_plugin`]: MIG mode persists on the GPU,
+//! and recovery carries the set into the new boot to turn MIG mode off again.
+//!
+//! So a write is fsynced (before its rename) when the new body records a GPU
+//! in that set, or when the file it replaces may record one
+//! ([`store_bytes`]'s `durable`, decided by the driver). Every other write is
+//! not: what it changes is void after a reboot anyway. A write that is not
+//! fsynced can, after a power loss, leave a file whose name is renamed but
+//! whose data is not on disk (empty or garbage). That file cannot lose
+//! anything: the durable file it replaced recorded no GPU in the set either.
+//! Recovery must only not mistake it for a corrupt checkpoint of the current
+//! boot (which is rebuilt from the API server); the boot marker
+//! ([`write_boot_marker`], `<checkpoint>.boot`, written durably once per boot
+//! by recovery) tells it the unusable file comes from an earlier boot, which
+//! is then discarded like any checkpoint of an earlier boot.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -261,6 +286,77 @@ fn encode(body: &CheckpointBody) -> Result<Vec<u8>, serde_json::Error> {
     Ok(out)
 }
 
+/// The bytes of the checkpoint file for `body` (what [`store_bytes`] writes).
+pub(crate) fn encode_body(body: &CheckpointBody, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    encode(body).map_err(|e| CheckpointError::Malformed {
+        path: path.into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Replace the checkpoint with `bytes` (from [`encode_body`]): temp file,
+/// fsync when `durable` (see the module docs), rename.
+pub(crate) fn store_bytes(
+    bytes: &[u8],
+    path: &Path,
+    durable: bool,
+    fault: Option<WriteFault>,
+) -> Result<(), CheckpointError> {
+    atomic_write(path, bytes, FileKind::Checkpoint, durable, fault).map_err(|source| {
+        CheckpointError::Io {
+            path: path.into(),
+            source,
+        }
+    })
+}
+
+/// The checkpoint file's bytes; `Ok(None)` when it does not exist.
+pub(crate) fn read_bytes(path: &Path) -> Result<Option<Vec<u8>>, CheckpointError> {
+    match std::fs::read(path) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(CheckpointError::Io {
+            path: path.into(),
+            source,
+        }),
+    }
+}
+
+/// `<checkpoint>.boot`: the boot id of the last boot whose recovery ran.
+fn boot_marker_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".boot");
+    PathBuf::from(name)
+}
+
+/// The boot id recorded by [`write_boot_marker`], if any (unreadable counts as
+/// none).
+pub(crate) fn read_boot_marker(path: &Path) -> Option<String> {
+    std::fs::read_to_string(boot_marker_path(path))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// Record durably that recovery ran in boot `boot_id` (temp file, fsync,
+/// rename, fsync of the directory), unless the marker says so already. See
+/// the module docs for why.
+pub(crate) fn write_boot_marker(path: &Path, boot_id: &str) -> std::io::Result<()> {
+    if read_boot_marker(path).as_deref() == Some(boot_id) {
+        return Ok(());
+    }
+    let marker = boot_marker_path(path);
+    atomic_write(
+        &marker,
+        format!("{boot_id}\n").as_bytes(),
+        FileKind::Marker,
+        true,
+        None,
+    )?;
+    let dir = marker.parent().unwrap_or(Path::new("."));
+    std::fs::File::open(dir)?.sync_all()
+}
+
 impl Checkpoint {
     /// Wrap a body, computing its checksum.
     #[must_use]
@@ -277,16 +373,14 @@ impl Checkpoint {
     /// # Errors
     /// Unreadable, malformed, unknown version or checksum mismatch.
     pub fn load(path: &Path) -> Result<Option<Self>, CheckpointError> {
-        let bytes = match std::fs::read(path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => {
-                return Err(CheckpointError::Io {
-                    path: path.into(),
-                    source,
-                });
-            }
-        };
+        match read_bytes(path)? {
+            Some(bytes) => Self::decode(path, &bytes).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Parse and verify the bytes of the file at `path`.
+    pub(crate) fn decode(path: &Path, bytes: &[u8]) -> Result<Self, CheckpointError> {
         let malformed = |e: serde_json::Error| CheckpointError::Malformed {
             path: path.into(),
             reason: e.to_string(),
@@ -298,10 +392,10 @@ impl Checkpoint {
         // The common case in one typed pass; a document that does not fit
         // the type is parsed again untyped only to name what is wrong (an
         // unknown apiVersion before a shape error).
-        let c: Self = match serde_json::from_slice(&bytes) {
+        let c: Self = match serde_json::from_slice(bytes) {
             Ok(c) => c,
             Err(e) => {
-                let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(malformed)?;
+                let v: serde_json::Value = serde_json::from_slice(bytes).map_err(malformed)?;
                 let api_version = v
                     .get("apiVersion")
                     .and_then(|a| a.as_str())
@@ -323,11 +417,12 @@ impl Checkpoint {
                 computed,
             });
         }
-        Ok(Some(c))
+        Ok(c)
     }
 
-    /// Write atomically (temp file, fsync, rename; see `fsutil`): compact
-    /// JSON, the body serialized once and hashed from those bytes.
+    /// Write atomically and durably (temp file, fsync, rename; see `fsutil`):
+    /// compact JSON, the body serialized once and hashed from those bytes.
+    /// The driver's own writes fsync only where the module docs say.
     ///
     /// # Errors
     /// I/O; the previous checkpoint is then unchanged.
@@ -336,23 +431,15 @@ impl Checkpoint {
         path: &Path,
         fault: Option<WriteFault>,
     ) -> Result<(), CheckpointError> {
-        let bytes = encode(body).map_err(|e| CheckpointError::Malformed {
-            path: path.into(),
-            reason: e.to_string(),
-        })?;
-        atomic_write(path, &bytes, FileKind::Checkpoint, fault).map_err(|source| {
-            CheckpointError::Io {
-                path: path.into(),
-                source,
-            }
-        })
+        store_bytes(&encode_body(body, path)?, path, true, fault)
     }
 }
 
 impl Checkpoint {
     /// Checkpoint fsyncs done in this process so far and the time spent in
     /// them: the disk's share of prepare and unprepare, which `carve bench
-    /// prepare` reports next to the overhead.
+    /// prepare` reports next to the overhead. Only writes that must survive a
+    /// power loss are fsynced (module docs), so this can stay 0 per call.
     #[must_use]
     pub fn sync_totals() -> (u64, std::time::Duration) {
         crate::fsutil::sync_totals()

@@ -18,8 +18,8 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 
 use crate::cdi::{self, CdiDevice, CdiError, CdiSpec};
 use crate::checkpoint::{
-    Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, MpsShare,
-    PreparedKind, move_aside,
+    self, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState, DeviceRecord,
+    MpsShare, PreparedKind, move_aside,
 };
 use crate::claim::{ClaimRef, InvalidClaim, PreparedDevice};
 use crate::config::{
@@ -313,6 +313,27 @@ struct HostLock {
     _local: tokio::sync::OwnedMutexGuard<()>,
 }
 
+/// What this process last wrote to or read from the checkpoint file.
+#[derive(Debug, Default)]
+struct DiskCopy {
+    /// The file's bytes and their body (kept only with a pod UID, for
+    /// [`Driver::host_lock`]: a file with these bytes needs no parsing).
+    file: Option<(Arc<[u8]>, CheckpointBody)>,
+    /// The file may record a GPU in `mig_enabled_by_plugin`, so replacing it
+    /// must be durable ([`Driver::persist`], `checkpoint` module docs).
+    records_mig: bool,
+}
+
+/// The checkpoint as [`Driver::host_lock`] found it.
+enum Reread {
+    /// The bytes this process last wrote or read: nothing to parse.
+    Unchanged(CheckpointBody),
+    /// Written by another process (or first read).
+    Changed(Arc<[u8]>, Box<Checkpoint>),
+    /// No file.
+    Missing,
+}
+
 /// The claim-preparing core, independent of gRPC.
 pub struct Driver {
     config: Arc<PluginConfig>,
@@ -324,6 +345,7 @@ pub struct Driver {
     /// Queue of this process's operations for the host lock.
     host_mutex: Arc<tokio::sync::Mutex<()>>,
     boot_id: String,
+    disk: std::sync::Mutex<DiskCopy>,
 }
 
 impl std::fmt::Debug for Driver {
@@ -504,6 +526,7 @@ impl Driver {
             claim_locks: std::sync::Mutex::default(),
             host_mutex: Arc::default(),
             boot_id,
+            disk: std::sync::Mutex::default(),
         })
     }
 
@@ -538,20 +561,73 @@ impl Driver {
         }
     }
 
+    fn disk(&self) -> std::sync::MutexGuard<'_, DiskCopy> {
+        self.disk
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Note what the checkpoint file now holds (written or read by us).
+    fn remember(&self, bytes: Arc<[u8]>, body: &CheckpointBody) {
+        let mut d = self.disk();
+        d.records_mig = !body.mig_enabled_by_plugin.is_empty();
+        if self.config.pod_uid.is_some() {
+            d.file = Some((bytes, body.clone()));
+        }
+    }
+
+    /// Write the checkpoint: serialized here, written on a blocking thread,
+    /// fsynced only when the new body or the file it replaces records a GPU
+    /// whose MIG mode the plugin enabled (the only state in it that a reboot
+    /// does not undo; see the `checkpoint` module docs).
     async fn persist(&self, body: &CheckpointBody) -> Result<(), CheckpointError> {
-        let body = body.clone();
         let path = self.config.checkpoint_path.clone();
+        let (bytes, durable) = self.encode(body)?;
         let fault = self.config.write_fault;
-        blocking(move || Checkpoint::store(&body, &path, fault))
+        let b = bytes.clone();
+        blocking(move || checkpoint::store_bytes(&b, &path, durable, fault))
             .await
             .map_err(|e| CheckpointError::Io {
                 path: self.config.checkpoint_path.clone(),
                 source: std::io::Error::other(e),
             })??;
+        self.written(bytes, body);
+        Ok(())
+    }
+
+    /// [`Self::persist`] after `first` (another file write), on the same
+    /// blocking thread; nothing is written to the checkpoint if `first` fails.
+    async fn persist_after(
+        &self,
+        body: &CheckpointBody,
+        first: impl FnOnce() -> Result<(), ClaimError> + Send + 'static,
+    ) -> Result<(), ClaimError> {
+        let path = self.config.checkpoint_path.clone();
+        let (bytes, durable) = self.encode(body)?;
+        let fault = self.config.write_fault;
+        let b = bytes.clone();
+        blocking(move || -> Result<(), ClaimError> {
+            first()?;
+            Ok(checkpoint::store_bytes(&b, &path, durable, fault)?)
+        })
+        .await
+        .map_err(ClaimError::Task)??;
+        self.written(bytes, body);
+        Ok(())
+    }
+
+    /// The file's bytes for `body`, and whether writing them must be durable.
+    fn encode(&self, body: &CheckpointBody) -> Result<(Arc<[u8]>, bool), CheckpointError> {
+        let bytes = checkpoint::encode_body(body, &self.config.checkpoint_path)?.into();
+        let durable = !body.mig_enabled_by_plugin.is_empty() || self.disk().records_mig;
+        Ok((bytes, durable))
+    }
+
+    fn written(&self, bytes: Arc<[u8]>, body: &CheckpointBody) {
+        self.remember(bytes, body);
         if let Some(m) = &self.config.metrics {
             m.inc_checkpoint_writes();
         }
-        Ok(())
     }
 
     /// Set the GI/CI gauges of the MIG-capable GPUs among `gpus` from NVML
@@ -614,6 +690,11 @@ impl Driver {
     /// reloads the checkpoint another pod may have written. Without one, the
     /// in-memory state is authoritative and no file lock is taken.
     ///
+    /// The reload reads the file's bytes; when they are exactly the bytes
+    /// this process last wrote or read, the in-memory state is reset to the
+    /// body it kept for them (as parsing them would) without parsing and
+    /// verifying them again. Only a file another process wrote is parsed.
+    ///
     /// This process's operations queue on an async mutex first, so at most one
     /// blocking thread ever waits in `flock` (the others wait as tasks): with
     /// the blocking pool bounded, claims that all waited in `flock` would leave
@@ -628,6 +709,7 @@ impl Driver {
         name.push(".lock");
         let path = PathBuf::from(name);
         let cp = self.config.checkpoint_path.clone();
+        let known = self.disk().file.clone();
         let (file, loaded) = blocking(move || -> std::io::Result<_> {
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir)?;
@@ -638,20 +720,35 @@ impl Driver {
                 .write(true)
                 .open(&path)?;
             f.lock()?;
-            Ok((f, Checkpoint::load(&cp)))
+            let loaded = match checkpoint::read_bytes(&cp) {
+                Ok(Some(bytes)) => match known {
+                    Some((k, body)) if *k == *bytes => Ok(Reread::Unchanged(body)),
+                    _ => Checkpoint::decode(&cp, &bytes)
+                        .map(|c| Reread::Changed(bytes.into(), Box::new(c))),
+                },
+                Ok(None) => Ok(Reread::Missing),
+                Err(e) => Err(e),
+            };
+            Ok((f, loaded))
         })
         .await
         .map_err(std::io::Error::other)??;
-        match loaded {
-            Ok(Some(c)) => {
-                let mut st = self.state.lock().await;
-                let boot_id = std::mem::take(&mut st.boot_id);
-                *st = CheckpointBody { boot_id, ..c.body };
+        let body = match loaded {
+            Ok(Reread::Unchanged(body)) => Some(body),
+            Ok(Reread::Changed(bytes, c)) => {
+                self.remember(bytes, &c.body);
+                Some(c.body)
             }
-            Ok(None) => {}
+            Ok(Reread::Missing) => None,
             Err(e) => {
-                tracing::warn!(error = %e, "reloading checkpoint under the host lock failed; keeping in-memory state")
+                tracing::warn!(error = %e, "reloading checkpoint under the host lock failed; keeping in-memory state");
+                None
             }
+        };
+        if let Some(body) = body {
+            let mut st = self.state.lock().await;
+            let boot_id = std::mem::take(&mut st.boot_id);
+            *st = CheckpointBody { boot_id, ..body };
         }
         Ok(Some(HostLock {
             _file: file,
@@ -828,7 +925,13 @@ impl Driver {
     }
 
     async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let _host = self.host_lock().await.map_err(|source| {
+        // The claim GET runs while the host lock is taken (and the checkpoint
+        // reread): the allocation it reads is not guarded by that lock, and
+        // its result is used only once the lock is held. For a claim found
+        // prepared already the result is ignored (one wasted GET).
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let (host, got) = tokio::join!(self.host_lock(), api.get_opt(&claim.name));
+        let _host = host.map_err(|source| {
             ClaimError::Checkpoint(CheckpointError::Io {
                 path: self.config.checkpoint_path.clone(),
                 source,
@@ -839,10 +942,7 @@ impl Driver {
         {
             return Ok(Self::prepared_devices(rec));
         }
-        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
-        let rc = api
-            .get_opt(&claim.name)
-            .await
+        let rc = got
             .map_err(|e| ClaimError::Kube {
                 what: format!("get ResourceClaim {}/{}", claim.namespace, claim.name),
                 source: Box::new(e),
@@ -1169,18 +1269,23 @@ impl Driver {
             let spec = Self::cdi_spec_for(&rec)?;
             let path = rec.cdi_spec.clone().unwrap_or_default();
             let fault = self.config.write_fault;
-            blocking(move || spec.write(&path, fault))
-                .await
-                .map_err(ClaimError::Task)??;
             let mut st = self.state.lock().await;
+            let compute_before = st.compute_mode_set_by_plugin.clone();
             let prev = st.claims.insert(claim.uid.clone(), rec.clone());
             st.compute_mode_set_by_plugin
                 .extend(compute_set.iter().cloned());
-            if let Err(e) = self.persist(&st).await {
-                if let Some(p) = prev {
-                    st.claims.insert(claim.uid.clone(), p);
-                }
-                return Err(ClaimError::from(e));
+            // The spec, then the checkpoint that records it, on one blocking
+            // thread; the spec first, so a completed claim always has one.
+            let written = self
+                .persist_after(&st, move || Ok(spec.write(&path, fault)?))
+                .await;
+            if let Err(e) = written {
+                match prev {
+                    Some(p) => st.claims.insert(claim.uid.clone(), p),
+                    None => st.claims.remove(&claim.uid),
+                };
+                st.compute_mode_set_by_plugin = compute_before;
+                return Err(e);
             }
             Ok::<_, ClaimError>(())
         };
@@ -1484,18 +1589,20 @@ impl Driver {
                     .await
                     .map_err(ClaimError::Task)??;
         }
+        // The instances, then the CDI spec, on one blocking thread.
         let b = self.backend.clone();
         let retry = self.config.unprepare_retry;
         let devs = rec.devices.clone();
-        blocking(move || destroy_devices(&*b, retry, &devs, &keep))
-            .await
-            .map_err(ClaimError::Task)??;
-        if let Some(p) = &rec.cdi_spec {
-            let p = p.clone();
-            blocking(move || cdi::remove(&p))
-                .await
-                .map_err(ClaimError::Task)??;
-        }
+        let spec = rec.cdi_spec.clone();
+        blocking(move || -> Result<(), ClaimError> {
+            destroy_devices(&*b, retry, &devs, &keep)?;
+            if let Some(p) = &spec {
+                cdi::remove(p)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(ClaimError::Task)??;
         // The claim is gone; then return MIG mode where the plugin turned it
         // on and nothing is left (GPU locks still held, checkpoint lock not
         // held across NVML).
@@ -1645,9 +1752,21 @@ impl Driver {
                     path: path.clone(),
                     source,
                 })?;
-                tracing::error!(error = %e, aside = %aside.display(), "unusable checkpoint moved aside; rebuilding from NVML and the API server");
-                report.moved_aside = Some(aside);
-                rebuild = true;
+                report.moved_aside = Some(aside.clone());
+                match checkpoint::read_boot_marker(&path) {
+                    // Recovery ran in an earlier boot, so the file was last
+                    // written then: a write that was not fsynced, torn by the
+                    // power loss, and one that recorded nothing a reboot
+                    // does not undo (`checkpoint` module docs).
+                    Some(old) if old != self.boot_id => {
+                        tracing::warn!(error = %e, aside = %aside.display(), old = %old, new = %self.boot_id, "unusable checkpoint from another boot moved aside and discarded");
+                        report.discarded_other_boot = true;
+                    }
+                    _ => {
+                        tracing::error!(error = %e, aside = %aside.display(), "unusable checkpoint moved aside; rebuilding from NVML and the API server");
+                        rebuild = true;
+                    }
+                }
                 CheckpointBody {
                     boot_id: self.boot_id.clone(),
                     ..Default::default()
@@ -1811,7 +1930,15 @@ impl Driver {
         }
         self.remove_stale_files(&wanted);
 
-        Checkpoint::store(&body, &path, self.config.write_fault)?;
+        checkpoint::write_boot_marker(&path, &self.boot_id).map_err(|source| PluginError::Io {
+            what: "writing the checkpoint's boot marker",
+            path: path.clone(),
+            source,
+        })?;
+        // Always durable: it may replace a file of an earlier boot.
+        let bytes: Arc<[u8]> = checkpoint::encode_body(&body, &path)?.into();
+        checkpoint::store_bytes(&bytes, &path, true, self.config.write_fault)?;
+        self.remember(bytes, &body);
         if let Some(m) = &self.config.metrics {
             m.inc_checkpoint_writes();
         }

@@ -1,14 +1,14 @@
 //! Atomic file replacement: write a temp file next to the target, rename it
 //! over the target.
 //!
-//! Checkpoints are fsynced before the rename (the data reaches the disk before
-//! the name points at it). Nothing fsyncs directories, and CDI specs are not
-//! fsynced at all: both only matter across a power loss or kernel crash, and
-//! that means a new boot, where the checkpoint of the old boot is discarded
-//! (its boot id differs, and the GPU lost its instances) and `/var/run/cdi` is
-//! empty. A crash of the plugin process itself loses nothing the page cache
-//! holds. This keeps `fsync` (milliseconds on a busy disk) off the prepare path
-//! except once per checkpoint write.
+//! A write is fsynced before the rename (the data reaches the disk before the
+//! name points at it) only when the caller asks for it: checkpoint writes
+//! that record state a reboot does not undo, and the boot marker (see the
+//! `checkpoint` module docs for which and why). CDI specs are never fsynced:
+//! `/var/run/cdi` is empty after a reboot. Only the boot marker's directory
+//! is fsynced. A crash of the plugin process itself loses nothing the page
+//! cache holds. This keeps `fsync` (milliseconds on a busy disk) off the
+//! prepare path.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -22,6 +22,8 @@ use crate::config::WriteFault;
 pub(crate) enum FileKind {
     Checkpoint,
     Cdi,
+    /// The checkpoint's boot marker (no fault injection).
+    Marker,
 }
 
 static CHECKPOINT_WRITES: AtomicU64 = AtomicU64::new(0);
@@ -29,7 +31,7 @@ static CDI_WRITES: AtomicU64 = AtomicU64::new(0);
 static SYNCS: AtomicU64 = AtomicU64::new(0);
 static SYNC_NANOS: AtomicU64 = AtomicU64::new(0);
 
-/// fsyncs done by [`atomic_write`] in this process so far, and the time spent
+/// Checkpoint fsyncs done by [`atomic_write`] in this process so far, and the time spent
 /// in them (for `carve bench prepare`, which reports overhead with and without
 /// the disk's flush time).
 pub(crate) fn sync_totals() -> (u64, Duration) {
@@ -55,6 +57,7 @@ fn maybe_abort(kind: FileKind, fault: Option<WriteFault>) {
     let counter = match kind {
         FileKind::Checkpoint => &CHECKPOINT_WRITES,
         FileKind::Cdi => &CDI_WRITES,
+        FileKind::Marker => return,
     };
     let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
     let hit = match fault {
@@ -72,12 +75,14 @@ fn maybe_abort(kind: FileKind, fault: Option<WriteFault>) {
     }
 }
 
-/// Replace `path` with `bytes` atomically. On error the target is untouched and
-/// the temp file removed.
+/// Replace `path` with `bytes` atomically, fsyncing the data before the
+/// rename when `durable`. On error the target is untouched and the temp file
+/// removed.
 pub(crate) fn atomic_write(
     path: &Path,
     bytes: &[u8],
     kind: FileKind,
+    durable: bool,
     fault: Option<WriteFault>,
 ) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
@@ -92,8 +97,10 @@ pub(crate) fn atomic_write(
             .truncate(true)
             .open(&tmp)?;
         f.write_all(bytes)?;
-        if kind == FileKind::Checkpoint {
+        if durable && kind == FileKind::Checkpoint {
             timed_sync(&f)?;
+        } else if durable {
+            f.sync_all()?;
         }
         drop(f);
         maybe_abort(kind, fault);
@@ -122,8 +129,8 @@ mod tests {
     fn replaces_and_leaves_no_temp() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("a.json");
-        atomic_write(&p, b"one", FileKind::Cdi, None).unwrap();
-        atomic_write(&p, b"two", FileKind::Cdi, None).unwrap();
+        atomic_write(&p, b"one", FileKind::Cdi, false, None).unwrap();
+        atomic_write(&p, b"two", FileKind::Cdi, false, None).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
     }
@@ -135,7 +142,7 @@ mod tests {
         std::fs::create_dir(&p).unwrap();
         // Renaming a file over a non-empty directory fails.
         std::fs::write(p.join("x"), b"x").unwrap();
-        assert!(atomic_write(&p, b"two", FileKind::Cdi, None).is_err());
+        assert!(atomic_write(&p, b"two", FileKind::Cdi, false, None).is_err());
         assert_eq!(std::fs::read(p.join("x")).unwrap(), b"x");
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
     }

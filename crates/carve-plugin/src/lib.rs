@@ -7,7 +7,8 @@
 //!
 //! With a pod UID configured (rolling update) two plugin pods may serve at
 //! once; each operation then holds an exclusive lock on `<checkpoint>.lock` and
-//! reloads the checkpoint first, so the pods share one state.
+//! reloads the checkpoint first (parsing it only when another process wrote
+//! it), so the pods share one state.
 //!
 //! It is not the ResourceSlice publisher (`carve-kube`), not an NVML binding
 //! (`carve-nvml`), and does not serve the DRA health service or MPS devices

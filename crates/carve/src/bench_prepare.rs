@@ -6,7 +6,8 @@
 //! Everything runs on the NVML simulator library behind the real
 //! `NvmlBackend`, against the API-server stand-in over HTTP, configured as the
 //! Helm chart deploys the plugin: with a pod UID (every operation takes the
-//! host lock and rereads the checkpoint) and, for the process, the chart's
+//! host lock and rereads the checkpoint's bytes, parsing them only when
+//! another process wrote them) and, for the process, the chart's
 //! `MALLOC_ARENA_MAX`. It prints figures next to their targets, with the
 //! ratio value/target; it never asserts timings.
 //!
@@ -15,7 +16,13 @@
 //! (the disk's time, printed separately and subtracted in a second row) and
 //! the two API-server round trips of a prepare (claim GET, status PATCH) to a
 //! stand-in that shares this process and its runtime (timed alone in their
-//! own rows). It is not a load test of a
+//! own rows). The plugin fsyncs a checkpoint write only when it records (or
+//! replaces a file that records) a GPU whose MIG mode the plugin enabled, the
+//! one state in it that a reboot does not undo (see `carve_plugin`'s
+//! checkpoint module): the simulated GPUs start in MIG mode, so the benchmark
+//! counts 0 fsyncs per call, and a node where the plugin turned MIG mode on
+//! pays one fsync per checkpoint write (1 per prepare, 2 per unprepare),
+//! which the fsync row then shows. It is not a load test of a
 //! real GPU: simulator calls are far faster than NVML on hardware, which is
 //! why NVML time is measured and subtracted rather than assumed.
 
@@ -1210,7 +1217,7 @@ pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
     };
     let rt = tokio::runtime::Runtime::new()?;
     println!(
-        "carve bench prepare: {} x {} (NVML simulator {}, simulator state in {}, plugin files in {}, {}, plugin process with MALLOC_ARENA_MAX={MALLOC_ARENA_MAX} as the chart), {} iterations, build {}",
+        "carve bench prepare: {} x {} (NVML simulator {}, simulator state in {}, plugin files in {}, {}, plugin process with MALLOC_ARENA_MAX={MALLOC_ARENA_MAX} as the chart; GPUs start in MIG mode, and the plugin fsyncs a checkpoint write only when it records MIG mode the plugin enabled), {} iterations, build {}",
         args.gpus,
         model.key,
         lib.display(),
@@ -1285,14 +1292,15 @@ mod tests {
         assert_eq!(r.counts.ci_destroyed, 26);
         assert_eq!(r.live_at_end, 0);
         assert_eq!(r.cdi_left, 0);
-        // NVML time is part of each call's total; every call writes the
-        // checkpoint (the fsync counter is process-wide, so other tests'
-        // writes may add to it: only the lower bound holds).
+        // NVML time is part of each call's total. The simulated GPUs start
+        // in MIG mode, so no checkpoint write records MIG mode the plugin
+        // enabled and none is fsynced (the fsync counter is process-wide, so
+        // other tests' writes could add to it: nothing is asserted on it).
         assert!(
             r.prepare
                 .iter()
                 .chain(&r.unprepare)
-                .all(|c| c.nvml <= c.total && !c.nvml.is_zero() && c.syncs >= 1)
+                .all(|c| c.nvml <= c.total && !c.nvml.is_zero())
         );
         assert_eq!(r.api_get.len(), API_SAMPLES);
         assert_eq!(r.api_patch.len(), API_SAMPLES);

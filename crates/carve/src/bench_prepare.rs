@@ -26,6 +26,7 @@
 //! real GPU: simulator calls are far faster than NVML on hardware, which is
 //! why NVML time is measured and subtracted rather than assumed.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -608,6 +609,8 @@ struct ProcessFigures {
     rss_after_kib: [u64; 4],
     rss_kib: u64,
     hwm_kib: u64,
+    /// Resident KiB per mapping after the cycles, largest first.
+    rss_by_mapping: Vec<(String, u64)>,
     cycles: u64,
     help_peak_kib: u64,
     live_at_end: usize,
@@ -629,6 +632,43 @@ fn proc_rss(pid: u32) -> anyhow::Result<[u64; 4]> {
         field("RssAnon:")?,
         field("RssFile:")?,
     ])
+}
+
+/// Resident KiB of a process per mapping, largest first: the file name of a
+/// file mapping (`carve`, `libc.so.6`, ...), `[heap]`, `[stack]`, and
+/// `anon` for the unnamed anonymous ones (thread stacks, mmapped allocations).
+fn proc_rss_by_mapping(pid: u32) -> anyhow::Result<Vec<(String, u64)>> {
+    let path = format!("/proc/{pid}/smaps");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    let mut by: BTreeMap<String, u64> = BTreeMap::new();
+    let mut current = String::new();
+    for line in text.lines() {
+        if let Some(kib) = line.strip_prefix("Rss:") {
+            let kib: u64 = kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap_or(0);
+            *by.entry(current.clone()).or_default() += kib;
+        } else if line
+            .split_whitespace()
+            .next()
+            .is_some_and(|range| range.contains('-') && !range.ends_with(':'))
+        {
+            // `start-end perms offset dev inode [path]`
+            current = match line.split_whitespace().nth(5) {
+                Some(p) if p.starts_with('[') => p.to_string(),
+                Some(p) => Path::new(p)
+                    .file_name()
+                    .map_or_else(|| p.to_string(), |n| n.to_string_lossy().into_owned()),
+                None => "anon".to_string(),
+            };
+        }
+    }
+    let mut v: Vec<(String, u64)> = by.into_iter().filter(|(_, k)| *k > 0).collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(v)
 }
 
 /// The largest peak RSS (KiB) among this process's reaped children.
@@ -880,6 +920,7 @@ async fn plugin_process(
     }
     f.cycles = done;
     f.rss_after_kib = proc_rss(p.pid()?)?;
+    f.rss_by_mapping = proc_rss_by_mapping(p.pid()?)?;
     f.rss_kib = f.rss_after_kib[0];
     f.hwm_kib = f.rss_after_kib[1];
     drop(kubelet);
@@ -1152,6 +1193,20 @@ fn report_process(a: &PrepareBench, f: &ProcessFigures, out: &mut String) -> boo
             verdict(rss_ok),
             mb(f.rss_kib) * 1e6 / RSS_TARGET_BYTES as f64
         ),
+    );
+    let top: Vec<String> = f
+        .rss_by_mapping
+        .iter()
+        .take(5)
+        .map(|(name, kib)| format!("{name} {:.1}", mb(*kib)))
+        .collect();
+    row(
+        out,
+        &format!("plugin RSS by mapping after {} claims (MB)", f.cycles),
+        &top.join(", "),
+        "",
+        "",
+        "",
     );
     row(
         out,

@@ -200,13 +200,19 @@ impl SlicePublisher {
     /// other slices, with an error naming the slice and the gate (see
     /// [`dropped_counter_fields`]). Until the gate is on, each later sync
     /// stops the same way at its first write that carries counters.
-    pub async fn sync(&mut self, desired: Vec<ResourceSlice>) -> Result<SyncReport, PublishError> {
-        validate_desired(&desired, &self.node_name, &self.driver)?;
+    /// `desired` is only read: a caller that keeps its slices passes them by
+    /// reference instead of cloning them for every sync.
+    pub async fn sync(
+        &mut self,
+        desired: impl AsRef<[ResourceSlice]>,
+    ) -> Result<SyncReport, PublishError> {
+        let desired = desired.as_ref();
+        validate_desired(desired, &self.node_name, &self.driver)?;
         let attempts = self.retry.attempts.max(1);
         let mut report = SyncReport::default();
         let mut pass = 1;
         loop {
-            match self.pass(&desired, &mut report).await {
+            match self.pass(desired, &mut report).await {
                 Ok(()) => return Ok(report),
                 Err(PassError::Fatal(e)) => return Err(e),
                 Err(PassError::Conflict {

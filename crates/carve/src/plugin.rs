@@ -383,18 +383,24 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut publisher = carve_kube::SlicePublisher::new(client.clone(), args.node_name.clone(), carve_model::DRIVER_NAME);
         let mut snapshots = health.subscribe();
+        // The slices as built are kept once and published as they are; a copy
+        // is made only while some device carries a taint.
+        let desired = Arc::new(desired);
         let tainted = move |snapshot: &carve_plugin::health::HealthSnapshot| {
-            let mut s = desired.clone();
+            if snapshot.taints.is_empty() {
+                return Arc::clone(&desired);
+            }
+            let mut s = (*desired).clone();
             match carve_plugin::health::apply_taints(&mut s, &snapshot.taints, max_taints) {
-                Ok(_) => s,
+                Ok(_) => Arc::new(s),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot publish the health taints; publishing without them");
-                    desired.clone()
+                    Arc::clone(&desired)
                 }
             }
         };
         let first = tainted(&snapshots.borrow_and_update());
-        match publisher.sync(first).await {
+        match publisher.sync(&*first).await {
             Ok(r) => tracing::info!(created = r.created, updated = r.updated, deleted = r.deleted, unchanged = r.unchanged, "slices published"),
             Err(e) => tracing::error!(error = %e, "publishing slices failed; retrying in the background"),
         }
@@ -408,7 +414,7 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
                     () = tokio::time::sleep(resync) => {}
                 }
                 let want = tainted(&snapshots.borrow_and_update());
-                if let Err(e) = publisher.sync(want).await {
+                if let Err(e) = publisher.sync(&*want).await {
                     tracing::error!(error = %e, "republishing slices failed");
                 }
             }

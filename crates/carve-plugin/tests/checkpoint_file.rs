@@ -21,10 +21,7 @@ async fn a_checkpoint_another_process_wrote_is_read_again_under_the_host_lock() 
     let mut cfg = node.config.clone();
     cfg.pod_uid = Some("pod-1".into());
     let api = api().await;
-    let driver = Driver::new(cfg.clone(), node.backend(), api.client())
-        .await
-        .unwrap();
-    driver.recover().await.unwrap();
+    let driver = started(&node, cfg.clone(), &api).await;
     let a = put_claim(
         &api,
         "c-a",
@@ -75,10 +72,7 @@ async fn a_checkpoint_another_process_wrote_is_read_again_under_the_host_lock() 
 async fn torn_checkpoint() -> (Node, carve_apiserver::ApiServer) {
     let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
     let api = api().await;
-    let driver = Driver::new(node.config.clone(), node.backend(), api.client())
-        .await
-        .unwrap();
-    driver.recover().await.unwrap();
+    let driver = started(&node, node.config.clone(), &api).await;
     assert_eq!(marker(&node), "boot-1\n");
     let a = put_claim(
         &api,

@@ -54,10 +54,7 @@ async fn checkpoint_writes_are_fsynced_only_while_they_record_plugin_enabled_mig
         let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, false)]);
         let mut cfg = node.config.clone();
         cfg.pod_uid = pod_uid.map(String::from);
-        let driver = Driver::new(cfg.clone(), node.backend(), api.client())
-            .await
-            .unwrap();
-        driver.recover().await.unwrap();
+        let driver = started(&node, cfg.clone(), &api).await;
         let c = put_claim(
             &api,
             "c-b",

@@ -79,11 +79,7 @@ fn put_mps(
 }
 
 async fn start(node: &Node, api: &ApiServer) -> Driver {
-    let d = Driver::new(node.config.clone(), node.backend(), api.client())
-        .await
-        .unwrap();
-    d.recover().await.unwrap();
-    d
+    started(node, node.config.clone(), api).await
 }
 
 fn unit_dir(node: &Node, unit: &str) -> PathBuf {
@@ -131,19 +127,6 @@ fn ok(
     match &out.iter().find(|(c, _)| c.uid == uid).unwrap().1 {
         Ok(d) => d.clone(),
         Err(e) => panic!("claim {uid}: {e}"),
-    }
-}
-
-fn err(
-    out: &[(
-        ClaimRef,
-        Result<Vec<carve_plugin::PreparedDevice>, carve_plugin::ClaimError>,
-    )],
-    uid: &str,
-) -> String {
-    match &out.iter().find(|(c, _)| c.uid == uid).unwrap().1 {
-        Ok(_) => panic!("claim {uid} prepared but should not"),
-        Err(e) => e.to_string(),
     }
 }
 
@@ -281,11 +264,11 @@ async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
     );
     let out = driver.prepare(vec![whole, mig, other]).await;
     assert!(
-        err(&out, "u-whole").contains("through MPS"),
+        claim_error(&out, "u-whole").contains("through MPS"),
         "{}",
-        err(&out, "u-whole")
+        claim_error(&out, "u-whole")
     );
-    assert!(err(&out, "u-mig").contains("through MPS"));
+    assert!(claim_error(&out, "u-mig").contains("through MPS"));
     ok(&out, "u-other");
 
     // First unprepare: namespace gone, daemon stays; last: daemon quits,
@@ -373,10 +356,10 @@ async fn mig_mps_instance_lives_from_first_share_to_last() {
     );
     let out = driver.prepare(vec![x]).await;
     assert!(
-        err(&out, "u-x").contains("occupied by claim default/a")
-            || err(&out, "u-x").contains("occupied by claim default/c"),
+        claim_error(&out, "u-x").contains("occupied by claim default/a")
+            || claim_error(&out, "u-x").contains("occupied by claim default/c"),
         "{}",
-        err(&out, "u-x")
+        claim_error(&out, "u-x")
     );
 
     let pid = daemon_pid(&node, unit).unwrap();
@@ -521,14 +504,14 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
         .prepare(vec![no_cap, beyond, no_share, no_pod, good])
         .await;
     assert!(
-        err(&out, "u-nocap").contains("no consumedCapacity"),
+        claim_error(&out, "u-nocap").contains("no consumedCapacity"),
         "{}",
-        err(&out, "u-nocap")
+        claim_error(&out, "u-nocap")
     );
-    let e = err(&out, "u-beyond");
+    let e = claim_error(&out, "u-beyond");
     assert!(e.contains("gpu-0-mps") && e.contains("memory"), "{e}");
-    assert!(err(&out, "u-noshare").contains("no shareID"));
-    let e = err(&out, "u-nopod");
+    assert!(claim_error(&out, "u-noshare").contains("no shareID"));
+    let e = claim_error(&out, "u-nopod");
     assert!(e.contains("no cgroup") && e.contains(POD_B), "{e}");
     ok(&out, "u-good");
     // No daemon on GPU 0 (every claim for it failed before starting one); GPU
@@ -560,7 +543,7 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
         Some(POD_A),
     );
     let out = d2.prepare(vec![x]).await;
-    assert!(err(&out, "u-x").contains("MPS is not enabled on this node"));
+    assert!(claim_error(&out, "u-x").contains("MPS is not enabled on this node"));
     driver.unprepare_one("u-good").await.unwrap();
 }
 
@@ -682,7 +665,7 @@ async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist
     let hard = claim("hard", "u-hard", "hard");
     let client = claim("client", "u-client", "client");
     let out = driver.prepare(vec![hard, client]).await;
-    let e = err(&out, "u-hard");
+    let e = claim_error(&out, "u-hard");
     assert!(
         e.contains("requires memoryLimit hard") && e.contains("enforces client"),
         "{e}"

@@ -19,24 +19,7 @@ fn put_share(api: &ApiServer, name: &str, uid: &str, device: &str, share: &str) 
 }
 
 async fn start(node: &Node, api: &ApiServer) -> Driver {
-    let d = Driver::new(node.config.clone(), node.backend(), api.client())
-        .await
-        .unwrap();
-    d.recover().await.unwrap();
-    d
-}
-
-fn err_of(
-    out: &[(
-        ClaimRef,
-        Result<Vec<carve_plugin::PreparedDevice>, carve_plugin::ClaimError>,
-    )],
-    uid: &str,
-) -> String {
-    match &out.iter().find(|(c, _)| c.uid == uid).unwrap().1 {
-        Ok(_) => panic!("claim {uid} prepared but should not"),
-        Err(e) => e.to_string(),
-    }
+    started(node, node.config.clone(), api).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -112,12 +95,12 @@ async fn claims_share_a_time_sliced_gpu_and_exclude_other_uses() {
     let out = driver
         .prepare(vec![mig.clone(), whole.clone(), other.clone()])
         .await;
-    let e = err_of(&out, "u-mig");
+    let e = claim_error(&out, "u-mig");
     assert!(
         e.contains("GPU 0 is held") && e.contains("as a time-sliced GPU"),
         "{e}"
     );
-    let e = err_of(&out, "u-whole");
+    let e = claim_error(&out, "u-whole");
     assert!(e.contains("as a time-sliced GPU"), "{e}");
     assert!(out[2].1.is_ok(), "{:?}", out[2].1);
     assert!(!b.mig_mode(0).unwrap().current);
@@ -125,7 +108,7 @@ async fn claims_share_a_time_sliced_gpu_and_exclude_other_uses() {
     // Time-slicing a GPU with a MIG claim on it: refused.
     let ts1 = put_share(&api, "ts1", "u-ts1", "gpu-1-ts", "33333333-cccc");
     let out = driver.prepare(vec![ts1.clone()]).await;
-    let e = err_of(&out, "u-ts1");
+    let e = claim_error(&out, "u-ts1");
     assert!(e.contains("using its MIG devices"), "{e}");
 
     // Restart: the shares are kept and prepare stays idempotent.
@@ -146,7 +129,7 @@ async fn claims_share_a_time_sliced_gpu_and_exclude_other_uses() {
     // The whole GPU after time-slice claims on it: still refused while the
     // MIG claim holds it.
     let out = driver.prepare(vec![whole]).await;
-    assert!(err_of(&out, "u-whole").contains("using its MIG devices"));
+    assert!(claim_error(&out, "u-whole").contains("using its MIG devices"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -158,7 +141,7 @@ async fn a_gpu_without_mig_time_slices_and_mps_is_still_refused_per_claim() {
     let mps = put_share(&api, "mps", "u-mps", "gpu-0-mps", "55555555-eeee");
     let out = driver.prepare(vec![ts, mps]).await;
     assert!(out[0].1.is_ok(), "{:?}", out[0].1);
-    let e = err_of(&out, "u-mps");
+    let e = claim_error(&out, "u-mps");
     assert!(e.contains("gpu-0-mps") && e.contains("MPS"), "{e}");
     assert!(!driver.snapshot().await.claims.contains_key("u-mps"));
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use carve_apiserver::{ApiServer, Options, Resource};
 use carve_gpu::{GpuBackend, GpuInstanceInfo};
 use carve_nvml::{NvmlBackend, NvmlOptions};
-use carve_plugin::{ClaimRef, PluginConfig, Retry};
+use carve_plugin::{ClaimError, ClaimRef, Driver, PluginConfig, PreparedDevice, Retry};
 use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
 
 pub const NODE: &str = "node-a";
@@ -132,6 +132,26 @@ pub fn plugin_config(d: &Path) -> PluginConfig {
 
 pub async fn api() -> ApiServer {
     ApiServer::start(Options::default()).await.unwrap()
+}
+
+/// A driver for `node` with `config`, after its startup recovery.
+pub async fn started(node: &Node, config: PluginConfig, api: &ApiServer) -> Driver {
+    let d = Driver::new(config, node.backend(), api.client())
+        .await
+        .unwrap();
+    d.recover().await.unwrap();
+    d
+}
+
+/// The error of claim `uid` in a prepare's result; panics if it prepared.
+pub fn claim_error(
+    out: &[(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)],
+    uid: &str,
+) -> String {
+    match &out.iter().find(|(c, _)| c.uid == uid).unwrap().1 {
+        Ok(_) => panic!("claim {uid} prepared but should not"),
+        Err(e) => e.to_string(),
+    }
 }
 
 /// Store an allocated ResourceClaim; `results` are (request, device) on this

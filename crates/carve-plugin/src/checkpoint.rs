@@ -14,8 +14,9 @@
 //! [`CheckpointBody::mig_enabled_by_plugin`]: MIG mode persists on the GPU,
 //! and recovery carries the set into the new boot to turn MIG mode off again.
 //!
-//! So a write is fsynced (before its rename) when the new body records a GPU
-//! in that set, or when the file it replaces may record one
+//! So a write is fsynced (the file before its rename, its directory after)
+//! when the new body records a GPU in that set, or when the file it replaces
+//! may record one
 //! ([`store_bytes`]'s `durable`, decided by the driver). Every other write is
 //! not: what it changes is void after a reboot anyway. A write that is not
 //! fsynced can, after a power loss, leave a file whose name is renamed but
@@ -345,16 +346,13 @@ pub(crate) fn write_boot_marker(path: &Path, boot_id: &str) -> std::io::Result<(
     if read_boot_marker(path).as_deref() == Some(boot_id) {
         return Ok(());
     }
-    let marker = boot_marker_path(path);
     atomic_write(
-        &marker,
+        &boot_marker_path(path),
         format!("{boot_id}\n").as_bytes(),
         FileKind::Marker,
         true,
         None,
-    )?;
-    let dir = marker.parent().unwrap_or(Path::new("."));
-    std::fs::File::open(dir)?.sync_all()
+    )
 }
 
 impl Checkpoint {

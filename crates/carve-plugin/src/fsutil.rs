@@ -5,9 +5,10 @@
 //! name points at it) only when the caller asks for it: checkpoint writes
 //! that record state a reboot does not undo, and the boot marker (see the
 //! `checkpoint` module docs for which and why). CDI specs are never fsynced:
-//! `/var/run/cdi` is empty after a reboot. Only the boot marker's directory
-//! is fsynced. A crash of the plugin process itself loses nothing the page
-//! cache holds. This keeps `fsync` (milliseconds on a busy disk) off the
+//! `/var/run/cdi` is empty after a reboot. A durable write also fsyncs the
+//! directory after the rename, so that the new name survives a power loss
+//! too. A crash of the plugin process itself loses nothing the page cache
+//! holds. This keeps `fsync` (milliseconds on a busy disk) off the
 //! prepare path.
 
 use std::io::Write;
@@ -31,9 +32,10 @@ static CDI_WRITES: AtomicU64 = AtomicU64::new(0);
 static SYNCS: AtomicU64 = AtomicU64::new(0);
 static SYNC_NANOS: AtomicU64 = AtomicU64::new(0);
 
-/// Checkpoint fsyncs done by [`atomic_write`] in this process so far, and the time spent
-/// in them (for `carve bench prepare`, which reports overhead with and without
-/// the disk's flush time).
+/// Durable checkpoint writes done by [`atomic_write`] in this process so far
+/// (each an fsync of the file and one of its directory), and the time spent in
+/// those fsyncs (for `carve bench prepare`, which reports overhead with and
+/// without the disk's flush time).
 pub(crate) fn sync_totals() -> (u64, Duration) {
     (
         SYNCS.load(Ordering::Relaxed),
@@ -41,13 +43,11 @@ pub(crate) fn sync_totals() -> (u64, Duration) {
     )
 }
 
-fn timed_sync(f: &std::fs::File) -> std::io::Result<()> {
+/// Run `f`, returning how long it took.
+fn timed(f: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<Duration> {
     let t = Instant::now();
-    let r = f.sync_all();
-    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-    SYNC_NANOS.fetch_add(ns, Ordering::Relaxed);
-    SYNCS.fetch_add(1, Ordering::Relaxed);
-    r
+    f()?;
+    Ok(t.elapsed())
 }
 
 /// Abort the process if `fault` names this write (the Nth write of this kind in
@@ -97,14 +97,23 @@ pub(crate) fn atomic_write(
             .truncate(true)
             .open(&tmp)?;
         f.write_all(bytes)?;
-        if durable && kind == FileKind::Checkpoint {
-            timed_sync(&f)?;
-        } else if durable {
-            f.sync_all()?;
+        let mut synced = Duration::ZERO;
+        if durable {
+            synced += timed(|| f.sync_all())?;
         }
         drop(f);
         maybe_abort(kind, fault);
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, path)?;
+        if durable {
+            // The new name reaches the disk only with its directory.
+            synced += timed(|| std::fs::File::open(dir)?.sync_all())?;
+            if kind == FileKind::Checkpoint {
+                let ns = u64::try_from(synced.as_nanos()).unwrap_or(u64::MAX);
+                SYNC_NANOS.fetch_add(ns, Ordering::Relaxed);
+                SYNCS.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);

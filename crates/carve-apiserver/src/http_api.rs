@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::patch::{find_directive, json_patch, merge_patch};
 use crate::resource::{API_VERSION, GROUP, Resource, VERSION};
 use crate::selector::{FieldSelector, LabelSelector, Selectors};
-use crate::server::ServerState;
+use crate::server::{FaultAction, ServerState};
 use crate::store::{ApiError, Event, EventKind, Part, Preconditions, Store};
 use crate::{KubeVersion, RequestRecord};
 
@@ -275,10 +275,15 @@ pub(crate) async fn handle(
         return Err(Refused);
     }
     let resp = match state.take_fault(d.write, d.base) {
-        Some(status) => error_response(&injected(status)),
-        None => dispatch(&state, route, &parts, &query, body)
-            .await
-            .unwrap_or_else(|e| error_response(&e)),
+        Some(FaultAction::Fail(status)) => error_response(&injected(status)),
+        delayed => {
+            if let Some(FaultAction::Delay(delay)) = delayed {
+                tokio::time::sleep(delay).await;
+            }
+            dispatch(&state, route, &parts, &query, body)
+                .await
+                .unwrap_or_else(|e| error_response(&e))
+        }
     };
     rec.status = resp.status().as_u16();
     state.record(rec, d.write);

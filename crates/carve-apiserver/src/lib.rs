@@ -134,6 +134,20 @@ pub enum Fault {
         /// `None` fails any request, including `/version` and discovery.
         resource: Option<String>,
     },
+    /// Answer the next `count` matching requests only after `delay`, then
+    /// as usual (a slow API server). Queues with [`Fault::FailNext`]: each
+    /// request consumes one count of the first matching fault of either kind.
+    DelayNext {
+        /// How many requests to delay.
+        count: u32,
+        /// How long each waits before it is handled.
+        delay: std::time::Duration,
+        /// Only delay writes (create, update, patch, delete, deletecollection).
+        writes_only: bool,
+        /// Only delay requests for this resource's plural name, as in
+        /// [`Fault::FailNext`].
+        resource: Option<String>,
+    },
     /// Go down: from now on every new connection is closed at once and
     /// every request on an open connection gets its connection closed
     /// without an answer; open watches end. Clients see transport errors.

@@ -15,13 +15,22 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::store::Store;
 use crate::{Error, Fault, KubeVersion, Options, RequestRecord, Stats};
 
-/// A pending `FailNext` fault.
+/// A pending `FailNext` or `DelayNext` fault.
 #[derive(Debug)]
 pub(crate) struct PendingFault {
     pub remaining: u32,
-    pub status: u16,
+    pub action: FaultAction,
     pub writes_only: bool,
     pub resource: Option<String>,
+}
+
+/// What a pending fault does to the request that consumes it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum FaultAction {
+    /// Answer with this HTTP status, store untouched.
+    Fail(u16),
+    /// Handle the request after this long.
+    Delay(std::time::Duration),
 }
 
 /// State shared by every connection of one server.
@@ -87,20 +96,20 @@ impl ServerState {
         log.push(rec);
     }
 
-    /// Consumes one count of the first fault matching this request; returns its status.
-    pub fn take_fault(&self, write: bool, resource: Option<&str>) -> Option<u16> {
+    /// Consumes one count of the first fault matching this request; returns what it does.
+    pub fn take_fault(&self, write: bool, resource: Option<&str>) -> Option<FaultAction> {
         let mut faults = lock(&self.faults);
         let i = faults.iter().position(|f| {
             f.remaining > 0
                 && (!f.writes_only || write)
                 && f.resource.as_deref().is_none_or(|r| Some(r) == resource)
         })?;
-        let status = faults[i].status;
+        let action = faults[i].action;
         faults[i].remaining -= 1;
         if faults[i].remaining == 0 {
             faults.remove(i);
         }
-        Some(status)
+        Some(action)
     }
 }
 
@@ -282,7 +291,22 @@ impl ApiServer {
                 if count > 0 {
                     lock(&self.state.faults).push(PendingFault {
                         remaining: count,
-                        status,
+                        action: FaultAction::Fail(status),
+                        writes_only,
+                        resource,
+                    });
+                }
+            }
+            Fault::DelayNext {
+                count,
+                delay,
+                writes_only,
+                resource,
+            } => {
+                if count > 0 {
+                    lock(&self.state.faults).push(PendingFault {
+                        remaining: count,
+                        action: FaultAction::Delay(delay),
                         writes_only,
                         resource,
                     });
@@ -296,7 +320,7 @@ impl ApiServer {
         }
     }
 
-    /// Drops every pending `FailNext` fault.
+    /// Drops every pending `FailNext` and `DelayNext` fault.
     pub fn clear_faults(&self) {
         lock(&self.state.faults).clear();
     }

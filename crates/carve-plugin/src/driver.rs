@@ -346,7 +346,16 @@ pub struct Driver {
     host_mutex: Arc<tokio::sync::Mutex<()>>,
     boot_id: String,
     disk: std::sync::Mutex<DiskCopy>,
+    /// Status writes (`status.devices`) still in flight, by claim UID: a
+    /// prepare returns without waiting for its write; the claim's unprepare
+    /// waits for it (see [`STATUS_SETTLE`]).
+    status_writes: std::sync::Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
 }
+
+/// How long an unprepare (or a stopping plugin) waits for a status write of
+/// the same claim that is still in flight before it aborts it: the write is
+/// informational, the kubelet's call is not.
+pub const STATUS_SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -527,6 +536,7 @@ impl Driver {
             host_mutex: Arc::default(),
             boot_id,
             disk: std::sync::Mutex::default(),
+            status_writes: std::sync::Mutex::default(),
         })
     }
 
@@ -974,7 +984,7 @@ impl Driver {
             .unwrap_or_default();
         let result = self.execute(claim, planned, &pods).await;
         if let Ok(devs) = &result {
-            self.write_status(&api, &rc, claim).await;
+            self.start_status_write(api, &rc, claim).await;
             tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
         }
         result
@@ -1459,13 +1469,89 @@ impl Driver {
         Ok(())
     }
 
-    async fn write_status(&self, api: &Api<ResourceClaim>, rc: &ResourceClaim, claim: &ClaimRef) {
+    /// Write the prepared devices to the claim's `status.devices` in the
+    /// background. The kubelet does not wait for it: nothing it starts reads
+    /// the status, which is there for people (`kubectl get resourceclaim -o
+    /// yaml`) and tools. A failed write is logged; the claim stays prepared.
+    /// The claim's unprepare waits for the write first ([`STATUS_SETTLE`]),
+    /// so a write never lands after the devices it names are gone.
+    async fn start_status_write(
+        &self,
+        api: Api<ResourceClaim>,
+        rc: &ResourceClaim,
+        claim: &ClaimRef,
+    ) {
+        let Some(patch) = self.status_patch(rc, claim).await else {
+            return;
+        };
+        let (name, uid, label) = (claim.name.clone(), claim.uid.clone(), claim.to_string());
+        let task = tokio::spawn(async move {
+            if let Err(e) = api
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::warn!(claim.uid = %uid, claim = %label, error = %e, "writing device status failed; the claim stays prepared");
+            }
+        });
+        let mut writes = self
+            .status_writes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        writes.retain(|_, t| !t.is_finished());
+        // Under the claim lock, and an unprepare takes the previous write
+        // out: there is none for this claim.
+        if let Some(old) = writes.insert(claim.uid.clone(), task) {
+            old.abort();
+        }
+    }
+
+    /// Wait for the claim's status write if one is in flight; abort it after
+    /// [`STATUS_SETTLE`].
+    async fn settle_status_write(&self, uid: &str) {
+        let task = self
+            .status_writes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(uid);
+        if let Some(mut task) = task
+            && tokio::time::timeout(STATUS_SETTLE, &mut task)
+                .await
+                .is_err()
+        {
+            task.abort();
+            tracing::warn!(claim.uid = %uid, "status write still in flight after {STATUS_SETTLE:?}; aborted");
+        }
+    }
+
+    /// Wait for every status write in flight ([`STATUS_SETTLE`] at most, then
+    /// abort the rest): a stopping plugin calls this so that what it
+    /// prepared is on the claims it prepared.
+    pub async fn settle_status_writes(&self) {
+        let tasks: Vec<_> = self
+            .status_writes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .drain()
+            .collect();
+        let deadline = tokio::time::Instant::now() + STATUS_SETTLE;
+        for (uid, mut task) in tasks {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                task.abort();
+                tracing::warn!(claim.uid = %uid, "status write still in flight at stop; aborted");
+            }
+        }
+    }
+
+    /// The merge patch of the claim's `status.devices`: other drivers'
+    /// entries kept, this driver's replaced by what the claim now holds.
+    async fn status_patch(
+        &self,
+        rc: &ResourceClaim,
+        claim: &ClaimRef,
+    ) -> Option<serde_json::Value> {
         let devices = {
             let st = self.state.lock().await;
-            match st.claims.get(&claim.uid) {
-                Some(r) => r.devices.clone(),
-                None => return,
-            }
+            st.claims.get(&claim.uid)?.devices.clone()
         };
         let mut entries: Vec<serde_json::Value> = rc
             .status
@@ -1524,13 +1610,7 @@ impl Driver {
             }
             entries.push(e);
         }
-        let patch = serde_json::json!({"status": {"devices": entries}});
-        if let Err(e) = api
-            .patch_status(&claim.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            tracing::warn!(claim.uid = %claim.uid, claim = %claim, error = %e, "writing device status failed; prepare continues");
-        }
+        Some(serde_json::json!({"status": {"devices": entries}}))
     }
 
     /// Unprepare one claim (idempotent: an unknown claim is done).
@@ -1541,6 +1621,7 @@ impl Driver {
     pub async fn unprepare_one(&self, uid: &str) -> Result<(), ClaimError> {
         let lock = self.claim_lock(uid);
         let guard = lock.lock().await;
+        self.settle_status_write(uid).await;
         let _host = self.host_lock().await.map_err(|source| {
             ClaimError::Checkpoint(CheckpointError::Io {
                 path: self.config.checkpoint_path.clone(),

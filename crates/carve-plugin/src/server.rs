@@ -527,6 +527,7 @@ pub async fn serve_with(
             let _ = stop_tx.send(true);
         };
         let (r1, r2, (), ()) = tokio::join!(dra, regs, gc, sd);
+        driver.settle_status_writes().await;
         // Own sockets only: registration first so kubelet stops using us.
         let _ = std::fs::remove_file(&p.registration);
         let _ = std::fs::remove_file(&p.dra);

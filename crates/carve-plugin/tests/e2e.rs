@@ -225,10 +225,7 @@ async fn registration_versions_status_and_v1beta1() {
     assert_eq!(r.claims["u-1"].error, "");
     assert_eq!(r.claims["u-1"].devices[0].device_name, "gpu-0-mig-1g10gb-2");
     // Status written back through the status subresource.
-    let obj = api
-        .store()
-        .get(Resource::ResourceClaims, Some("default"), "c")
-        .unwrap();
+    let obj = claim_with_status(&api, "c").await;
     let d = &obj["status"]["devices"][0];
     assert_eq!(d["driver"], "gpu.carve.dev");
     assert_eq!(d["device"], "gpu-0-mig-1g10gb-2");
@@ -726,6 +723,66 @@ async fn checkpoint_from_another_boot_is_discarded() {
     assert!(node.cdi_files().is_empty());
 }
 
+/// A slow API server holds the status PATCH for a second: the kubelet's
+/// prepare does not wait for it, the claim's unprepare does (the status never
+/// names devices that are already gone), and a stopping plugin lands its
+/// writes before it exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_write_is_off_prepares_path_but_lands_before_unprepare_and_stop() {
+    let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
+    let api = api().await;
+    let p = Running::start(&node, &api, node.config.clone()).await;
+    let slow = || carve_apiserver::Fault::DelayNext {
+        count: 1,
+        delay: std::time::Duration::from_secs(1),
+        writes_only: true,
+        resource: Some("resourceclaims".into()),
+    };
+    let stored = |name: &str| {
+        api.store()
+            .get(Resource::ResourceClaims, Some("default"), name)
+            .unwrap()
+    };
+    let c = put_claim(
+        &api,
+        "c",
+        "u-1",
+        &[("r", "gpu-0-mig-1g10gb-0")],
+        serde_json::json!([]),
+    );
+    api.inject(slow());
+    prepare_ok(&p.kubelet, &c).await;
+    assert!(
+        stored("c")["status"].get("devices").is_none(),
+        "prepare returned only after its status write: {}",
+        stored("c")
+    );
+    unprepare_ok(&p.kubelet, &c).await;
+    assert_eq!(api.stats().count("patch", "resourceclaims/status"), 1);
+    assert_eq!(
+        stored("c")["status"]["devices"][0]["device"],
+        "gpu-0-mig-1g10gb-0",
+        "unprepare returned before the status write landed"
+    );
+
+    let d = put_claim(
+        &api,
+        "d",
+        "u-2",
+        &[("r", "gpu-0-mig-1g10gb-1")],
+        serde_json::json!([]),
+    );
+    api.inject(slow());
+    prepare_ok(&p.kubelet, &d).await;
+    assert!(stored("d")["status"].get("devices").is_none());
+    p.stop().await;
+    assert_eq!(
+        stored("d")["status"]["devices"][0]["device"],
+        "gpu-0-mig-1g10gb-1",
+        "the plugin stopped before its status write landed"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_write_failure_does_not_fail_prepare() {
     let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
@@ -745,11 +802,10 @@ async fn status_write_failure_does_not_fail_prepare() {
         resource: Some("resourceclaims".into()),
     });
     prepare_ok(&p.kubelet, &c).await;
-    assert_eq!(
-        api.stats().count("patch", "resourceclaims/status"),
-        1,
-        "the status write was attempted"
-    );
+    eventually("the status write", || {
+        api.stats().count("patch", "resourceclaims/status") == 1
+    })
+    .await;
     let obj = api
         .store()
         .get(Resource::ResourceClaims, Some("default"), "c")

@@ -231,10 +231,7 @@ async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
         b.compute_mode(ComputeTarget::Gpu(1)).unwrap(),
         ComputeMode::Default
     );
-    let rc = api
-        .store()
-        .get(Resource::ResourceClaims, Some("default"), "a")
-        .unwrap();
+    let rc = claim_with_status(&api, "a").await;
     let data = &rc["status"]["devices"][0]["data"];
     assert_eq!(data["sharing"], "mps", "{rc}");
     assert_eq!(data["mps"]["memoryLimitMiB"], 20480);

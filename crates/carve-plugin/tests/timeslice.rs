@@ -5,7 +5,7 @@
 
 mod common;
 
-use carve_apiserver::{ApiServer, Resource};
+use carve_apiserver::ApiServer;
 use carve_plugin::{CdiSpec, ClaimRef, Driver, PreparedKind, claim_spec_path};
 use common::*;
 use nvidia_ml_sim::GpuEntry;
@@ -60,10 +60,7 @@ async fn claims_share_a_time_sliced_gpu_and_exclude_other_uses() {
     assert!(!b.mig_mode(0).unwrap().current);
     assert!(live(&*b, 0).is_empty());
     // The status names the sharing.
-    let rc = api
-        .store()
-        .get(Resource::ResourceClaims, Some("default"), "a")
-        .unwrap();
+    let rc = claim_with_status(&api, "a").await;
     assert_eq!(
         rc["status"]["devices"][0]["data"]["sharing"], "timeslice",
         "{rc}"

@@ -14,9 +14,11 @@
 //! "Overhead" is a call's wall time minus the time spent inside `GpuBackend`
 //! calls (NVML and its Rust wrapper). It still contains the checkpoint fsyncs
 //! (the disk's time, printed separately and subtracted in a second row) and
-//! the two API-server round trips of a prepare (claim GET, status PATCH) to a
-//! stand-in that shares this process and its runtime (timed alone in their
-//! own rows). The plugin fsyncs a checkpoint write only when it records (or
+//! the claim GET of a prepare to a stand-in that shares this process and its
+//! runtime (timed alone in its own row). The status PATCH that follows a
+//! prepare runs in the background (the kubelet does not wait for it); the
+//! claim's unprepare waits for it if it is still in flight, so in this
+//! back-to-back cycle whatever is left of it counts in unprepare's overhead. The plugin fsyncs a checkpoint write only when it records (or
 //! replaces a file that records) a GPU whose MIG mode the plugin enabled, the
 //! one state in it that a reboot does not undo (see `carve_plugin`'s
 //! checkpoint module): the simulated GPUs start in MIG mode, so the benchmark
@@ -1087,7 +1089,7 @@ pub(crate) fn report_in_process(a: &PrepareBench, r: &InProcess, out: &mut Strin
         "status PATCH to the stand-in, alone, p50 / p99 (ms)",
         &pair(p50_p99(&mut r.api_patch.clone())),
         "",
-        "in prepare's overhead",
+        "background; unprepare waits for it",
         "",
     );
     let seq_rate = if seq_total.is_zero() {

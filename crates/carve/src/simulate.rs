@@ -789,6 +789,31 @@ struct PreparedDevice {
     mps: Option<MpsShare>,
 }
 
+/// The claim once the plugin's `status.devices` names every result of this
+/// driver, or as it is after [`carve_plugin::STATUS_SETTLE`]: the plugin
+/// writes the status after its prepare returned (a missing entry is then
+/// reported by the caller).
+async fn read_back(
+    api: &Api<ResourceClaim>,
+    name: &str,
+    results: &[k8s_openapi::api::resource::v1::DeviceRequestAllocationResult],
+) -> kube::Result<ResourceClaim> {
+    let deadline = std::time::Instant::now() + carve_plugin::STATUS_SETTLE;
+    loop {
+        let back = api.get(name).await?;
+        let written = back.status.as_ref().and_then(|st| st.devices.as_ref());
+        let all = results.iter().filter(|r| r.driver == DRIVER_NAME).all(|r| {
+            written.into_iter().flatten().any(|d| {
+                d.driver == DRIVER_NAME && d.device == r.device && d.share_id == r.share_id
+            })
+        });
+        if all || std::time::Instant::now() >= deadline {
+            return Ok(back);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
+
 /// The made-up pod a claim is reserved for (`status.reservedFor`): a UID and
 /// a cgroup directory in the fake cgroup tree, as the kubelet creates it
 /// before it prepares the pod's claims.
@@ -1329,17 +1354,16 @@ async fn prepare(
             return abandon(s, &api, c, &pod, why).await;
         }
     };
-    let back = api
-        .get(c.name())
-        .await
-        .with_context(|| format!("reading ResourceClaim {label} back"))?;
-    let status_devices = back.status.as_ref().and_then(|st| st.devices.as_ref());
     let results = stored
         .status
         .as_ref()
         .and_then(|st| st.allocation.as_ref())
         .and_then(|a| a.devices.as_ref())
         .and_then(|d| d.results.as_ref());
+    let back = read_back(&api, c.name(), results.map_or(&[][..], Vec::as_slice))
+        .await
+        .with_context(|| format!("reading ResourceClaim {label} back"))?;
+    let status_devices = back.status.as_ref().and_then(|st| st.devices.as_ref());
     let mut devices = Vec::new();
     for res in results
         .into_iter()

@@ -240,3 +240,31 @@ pub fn put_unallocated(api: &ApiServer, name: &str, uid: &str) -> ClaimRef {
 pub fn live(b: &dyn GpuBackend, gpu: u32) -> Vec<GpuInstanceInfo> {
     b.gpu_instances(gpu).unwrap()
 }
+
+/// Poll the stand-in every 5 ms until `done` holds (10 s at most; then
+/// panic naming `what`). The plugin writes `status.devices` after its
+/// prepare returned, so a test that reads it waits for it here.
+pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "after 10 s still waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// The stored claim `default/<name>` once its `status.devices` is written.
+pub async fn claim_with_status(api: &ApiServer, name: &str) -> serde_json::Value {
+    let get = || {
+        api.store()
+            .get(Resource::ResourceClaims, Some("default"), name)
+            .expect("claim stored")
+    };
+    eventually(&format!("status.devices of claim {name}"), || {
+        get()["status"].get("devices").is_some()
+    })
+    .await;
+    get()
+}

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use carve_model::slices::parse_quantity;
-use k8s_openapi::api::resource::v1::{Counter, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{Counter, Device, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::Value;
 
@@ -24,10 +24,57 @@ use crate::error::PublishError;
 /// (capacities, counters, request policies) compare by value, because the API
 /// server rewrites them in canonical form (`40960Mi` comes back as `40Gi`).
 pub fn content(slice: &ResourceSlice) -> Value {
-    let mut spec = slice.spec.clone();
-    canonical_quantities(&mut spec);
-    let mut spec = serde_json::to_value(&spec).unwrap_or(Value::Null);
-    if let Some(pool) = spec.get_mut("pool").and_then(Value::as_object_mut) {
+    let mut v = header(slice);
+    let devices: Vec<Value> = devices_of(slice).iter().map(device_content).collect();
+    if !devices.is_empty() {
+        // A header object always has `spec` (it holds `driver` and `pool`).
+        if let Some(spec) = v.get_mut("spec").and_then(Value::as_object_mut) {
+            spec.insert("devices".into(), Value::Array(devices));
+        }
+    }
+    v
+}
+
+/// Whether two slices have the same [`content`] (the pool generation and
+/// server-set metadata are not compared).
+///
+/// Equal to `content(a) == content(b)`, but compared a device at a time: the
+/// whole content of a 64-device slice is megabytes of JSON values, and the
+/// plugin compares every slice it publishes on every resync.
+pub fn same_content(a: &ResourceSlice, b: &ResourceSlice) -> bool {
+    let (da, db) = (devices_of(a), devices_of(b));
+    da.len() == db.len()
+        && header(a) == header(b)
+        && da
+            .iter()
+            .zip(db)
+            .all(|(x, y)| device_content(x) == device_content(y))
+}
+
+fn devices_of(slice: &ResourceSlice) -> &[Device] {
+    slice.spec.devices.as_deref().unwrap_or_default()
+}
+
+/// [`content`] without `spec.devices`.
+fn header(slice: &ResourceSlice) -> Value {
+    // Every field by name (no `..`): a field added to the spec by a newer
+    // API version must be decided on here, not silently left out.
+    let ResourceSliceSpec {
+        all_nodes,
+        devices: _,
+        driver,
+        node_name,
+        node_selector,
+        per_device_node_selection,
+        pool,
+        shared_counters,
+    } = &slice.spec;
+    let mut shared_counters = shared_counters.clone();
+    for set in shared_counters.iter_mut().flatten() {
+        canonical_counters(&mut set.counters);
+    }
+    let mut pool = serde_json::to_value(pool).unwrap_or(Value::Null);
+    if let Some(pool) = pool.as_object_mut() {
         pool.remove("generation");
     }
     let m = &slice.metadata;
@@ -36,47 +83,57 @@ pub fn content(slice: &ResourceSlice) -> Value {
         "labels": m.labels,
         "annotations": m.annotations,
         "ownerReferences": m.owner_references,
-        "spec": spec,
+        "spec": {
+            "allNodes": all_nodes,
+            "driver": driver,
+            "nodeName": node_name,
+            "nodeSelector": node_selector,
+            "perDeviceNodeSelection": per_device_node_selection,
+            "pool": pool,
+            "sharedCounters": shared_counters,
+        },
     });
     normalize(&mut v);
     v
 }
 
-/// Whether two slices have the same [`content`] (the pool generation and
-/// server-set metadata are not compared).
-pub fn same_content(a: &ResourceSlice, b: &ResourceSlice) -> bool {
-    content(a) == content(b)
+/// One device of [`content`]: quantities canonical, empties dropped.
+fn device_content(device: &Device) -> Value {
+    let mut device = device.clone();
+    canonical_device(&mut device);
+    let mut v = serde_json::to_value(&device).unwrap_or(Value::Null);
+    normalize(&mut v);
+    v
 }
 
-/// Rewrites every quantity of `spec` that parses as its exact value in
-/// milli-units (`"40Gi"` and `"40960Mi"` both become `"42949672960000m"`);
-/// unparsable ones stay as they are (and then compare as text).
-fn canonical_quantities(spec: &mut ResourceSliceSpec) {
-    fn canon(q: &mut Quantity) {
-        if let Ok(amount) = parse_quantity(&q.0) {
-            q.0 = format!("{}m", amount.milli());
-        }
+/// Rewrites a quantity that parses as its exact value in milli-units
+/// (`"40Gi"` and `"40960Mi"` both become `"42949672960000m"`); an unparsable
+/// one stays as it is (and then compares as text).
+fn canon(q: &mut Quantity) {
+    if let Ok(amount) = parse_quantity(&q.0) {
+        q.0 = format!("{}m", amount.milli());
     }
-    fn counters(map: &mut BTreeMap<String, Counter>) {
-        map.values_mut().for_each(|c| canon(&mut c.value));
+}
+
+fn canonical_counters(map: &mut BTreeMap<String, Counter>) {
+    map.values_mut().for_each(|c| canon(&mut c.value));
+}
+
+/// Every quantity of a device (counters it consumes, capacities and their
+/// request policies) in canonical form, see [`canon`].
+fn canonical_device(device: &mut Device) {
+    for consumption in device.consumes_counters.iter_mut().flatten() {
+        canonical_counters(&mut consumption.counters);
     }
-    for set in spec.shared_counters.iter_mut().flatten() {
-        counters(&mut set.counters);
-    }
-    for device in spec.devices.iter_mut().flatten() {
-        for consumption in device.consumes_counters.iter_mut().flatten() {
-            counters(&mut consumption.counters);
-        }
-        for capacity in device.capacity.iter_mut().flat_map(|m| m.values_mut()) {
-            canon(&mut capacity.value);
-            if let Some(policy) = capacity.request_policy.as_mut() {
-                policy.default.iter_mut().for_each(canon);
-                policy.valid_values.iter_mut().flatten().for_each(canon);
-                if let Some(range) = policy.valid_range.as_mut() {
-                    canon(&mut range.min);
-                    range.max.iter_mut().for_each(canon);
-                    range.step.iter_mut().for_each(canon);
-                }
+    for capacity in device.capacity.iter_mut().flat_map(|m| m.values_mut()) {
+        canon(&mut capacity.value);
+        if let Some(policy) = capacity.request_policy.as_mut() {
+            policy.default.iter_mut().for_each(canon);
+            policy.valid_values.iter_mut().flatten().for_each(canon);
+            if let Some(range) = policy.valid_range.as_mut() {
+                canon(&mut range.min);
+                range.max.iter_mut().for_each(canon);
+                range.step.iter_mut().for_each(canon);
             }
         }
     }
@@ -396,10 +453,21 @@ mod tests {
             .collect()
     }
 
+    /// `same_content`, checked against comparing whole [`content`] values.
+    fn agree(a: &ResourceSlice, b: &ResourceSlice) -> bool {
+        let same = same_content(a, b);
+        assert_eq!(
+            same,
+            content(a) == content(b),
+            "same_content and content disagree"
+        );
+        same
+    }
+
     #[test]
     fn content_ignores_server_metadata_and_generation() {
         let a = slice("s0", NODE, 1, &["gpu-0"]);
-        assert!(same_content(&a, &stored(&a, 9, "123")));
+        assert!(agree(&a, &stored(&a, 9, "123")));
         assert_eq!(content(&a), content(&stored(&a, 0, "1")));
     }
 
@@ -410,7 +478,16 @@ mod tests {
         a.spec.shared_counters = Some(vec![]);
         a.metadata.annotations = Some(BTreeMap::new());
         b.spec.devices.as_mut().unwrap()[0].capacity = Some(BTreeMap::new());
-        assert!(same_content(&a, &b));
+        assert!(agree(&a, &b));
+        let mut none = slice("s1", NODE, 1, &[]);
+        none.spec.devices = None;
+        let mut empty = none.clone();
+        empty.spec.devices = Some(vec![]);
+        assert!(agree(&none, &empty));
+        assert!(
+            !agree(&none, &slice("s1", NODE, 1, &["gpu-0"])),
+            "a device more"
+        );
     }
 
     #[test]
@@ -454,19 +531,19 @@ mod tests {
         };
         let a = with("40960Mi", "1024Mi", "1000m");
         assert!(
-            same_content(&a, &with("40Gi", "1Gi", "1")),
+            agree(&a, &with("40Gi", "1Gi", "1")),
             "canonical forms are equal"
         );
         assert!(
-            !same_content(&a, &with("40961Mi", "1024Mi", "1")),
+            !agree(&a, &with("40961Mi", "1024Mi", "1")),
             "a different value is not"
         );
         assert!(
-            !same_content(&a, &with("40Gi", "2Gi", "1")),
+            !agree(&a, &with("40Gi", "2Gi", "1")),
             "a different step is not"
         );
         assert!(
-            !same_content(&a, &with("40Gi", "1Gi", "2")),
+            !agree(&a, &with("40Gi", "1Gi", "2")),
             "a different counter is not"
         );
     }
@@ -476,7 +553,7 @@ mod tests {
         let a = slice("s0", NODE, 1, &["gpu-0", "gpu-1"]);
         let mut attr = a.clone();
         attr.spec.devices.as_mut().unwrap()[1] = device("gpu-1", "H100");
-        assert!(!same_content(&a, &attr), "attribute change");
+        assert!(!agree(&a, &attr), "attribute change");
         let mut label = a.clone();
         label
             .metadata
@@ -484,16 +561,16 @@ mod tests {
             .as_mut()
             .unwrap()
             .insert("x".into(), "y".into());
-        assert!(!same_content(&a, &label), "label change");
+        assert!(!agree(&a, &label), "label change");
         let mut count = a.clone();
         count.spec.pool.resource_slice_count = 2;
-        assert!(!same_content(&a, &count), "resourceSliceCount change");
+        assert!(!agree(&a, &count), "resourceSliceCount change");
         assert!(
-            !same_content(&a, &slice("s0", NODE, 1, &["gpu-1", "gpu-0"])),
+            !agree(&a, &slice("s0", NODE, 1, &["gpu-1", "gpu-0"])),
             "order"
         );
         assert!(
-            !same_content(&a, &slice("s1", NODE, 1, &["gpu-0", "gpu-1"])),
+            !agree(&a, &slice("s1", NODE, 1, &["gpu-0", "gpu-1"])),
             "name"
         );
     }

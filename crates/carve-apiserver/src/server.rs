@@ -2,7 +2,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use hyper::server::conn::http1;
@@ -42,6 +42,8 @@ pub(crate) struct ServerState {
     stats: Mutex<(Stats, Vec<RequestRecord>)>,
     faults: Mutex<Vec<PendingFault>>,
     down: AtomicBool,
+    /// Connections accepted since start.
+    connections: AtomicU64,
     /// The DRAPartitionableDevices feature gate: off, ResourceSlice writes
     /// lose `sharedCounters` and `consumesCounters` (unless already in use).
     partitionable_devices: AtomicBool,
@@ -64,6 +66,7 @@ impl ServerState {
             stats: Mutex::new((Stats::default(), Vec::new())),
             faults: Mutex::new(Vec::new()),
             down: AtomicBool::new(false),
+            connections: AtomicU64::new(0),
             partitionable_devices: AtomicBool::new(true),
             epoch: watch::Sender::new(0),
             bookmarks: watch::Sender::new(0),
@@ -125,6 +128,7 @@ async fn accept_loop(
             () = &mut stop => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _peer)) => {
+                    state.connections.fetch_add(1, Ordering::SeqCst);
                     if state.is_down() {
                         drop(stream);
                         continue;
@@ -262,6 +266,11 @@ impl ApiServer {
     /// Changes what `/version` reports from now on.
     pub fn set_version(&self, v: KubeVersion) {
         *lock(&self.state.version) = v;
+    }
+
+    /// TCP connections accepted since start (refused ones while down included).
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::SeqCst)
     }
 
     /// Request counters since start or the last [`ApiServer::reset_stats`].

@@ -350,7 +350,17 @@ pub struct Driver {
     /// prepare returns without waiting for its write; the claim's unprepare
     /// waits for it (see [`STATUS_SETTLE`]).
     status_writes: std::sync::Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
+    /// Claim GETs and status PATCHes in flight at once ([`API_CONCURRENCY`]).
+    api_calls: Arc<tokio::sync::Semaphore>,
 }
+
+/// Claim reads and status writes in flight at once. The kube client opens one
+/// connection per concurrent request and keeps every one idle in its pool
+/// (with its buffers) for 90 s: a burst of 56 prepares left 56 connections
+/// behind. Four keep a burst's GETs flowing (the host lock serialises the
+/// prepares themselves) and bound what is kept, as client-go's QPS/burst
+/// limits bound a Go plugin's requests.
+pub const API_CONCURRENCY: usize = 4;
 
 /// How long an unprepare (or a stopping plugin) waits for a status write of
 /// the same claim that is still in flight before it aborts it: the write is
@@ -371,6 +381,19 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// Run a small file write: on a blocking thread when it fsyncs (`durable`),
+/// else right here on the runtime thread.
+///
+/// A write without fsync of a file of a few KB (checkpoint, CDI spec) to a
+/// local directory takes tens of microseconds, less than the two thread
+/// hand-offs of a blocking hop; an fsync waits for the disk.
+async fn file_write<T: Send + 'static>(
+    durable: bool,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    if durable { blocking(f).await } else { Ok(f()) }
 }
 
 fn backend_err(op: impl Into<String>) -> impl FnOnce(BackendError) -> ClaimError {
@@ -537,6 +560,7 @@ impl Driver {
             boot_id,
             disk: std::sync::Mutex::default(),
             status_writes: std::sync::Mutex::default(),
+            api_calls: Arc::new(tokio::sync::Semaphore::new(API_CONCURRENCY)),
         })
     }
 
@@ -595,12 +619,14 @@ impl Driver {
         let (bytes, durable) = self.encode(body)?;
         let fault = self.config.write_fault;
         let b = bytes.clone();
-        blocking(move || checkpoint::store_bytes(&b, &path, durable, fault))
-            .await
-            .map_err(|e| CheckpointError::Io {
-                path: self.config.checkpoint_path.clone(),
-                source: std::io::Error::other(e),
-            })??;
+        file_write(durable, move || {
+            checkpoint::store_bytes(&b, &path, durable, fault)
+        })
+        .await
+        .map_err(|e| CheckpointError::Io {
+            path: self.config.checkpoint_path.clone(),
+            source: std::io::Error::other(e),
+        })??;
         self.written(bytes, body);
         Ok(())
     }
@@ -616,7 +642,7 @@ impl Driver {
         let (bytes, durable) = self.encode(body)?;
         let fault = self.config.write_fault;
         let b = bytes.clone();
-        blocking(move || -> Result<(), ClaimError> {
+        file_write(durable, move || -> Result<(), ClaimError> {
             first()?;
             Ok(checkpoint::store_bytes(&b, &path, durable, fault)?)
         })
@@ -720,16 +746,7 @@ impl Driver {
         let path = PathBuf::from(name);
         let cp = self.config.checkpoint_path.clone();
         let known = self.disk().file.clone();
-        let (file, loaded) = blocking(move || -> std::io::Result<_> {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)?;
-            f.lock()?;
+        let reread = move |f: std::fs::File| {
             let loaded = match checkpoint::read_bytes(&cp) {
                 Ok(Some(bytes)) => match known {
                     Some((k, body)) if *k == *bytes => Ok(Reread::Unchanged(body)),
@@ -739,10 +756,29 @@ impl Driver {
                 Ok(None) => Ok(Reread::Missing),
                 Err(e) => Err(e),
             };
-            Ok((f, loaded))
-        })
-        .await
-        .map_err(std::io::Error::other)??;
+            (f, loaded)
+        };
+        // Opening, an uncontended lock and rereading a file of a few KB are
+        // a handful of syscalls: done here. Only a lock held by the other
+        // plugin pod of a rolling update is waited for, on a blocking thread.
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)?;
+        let (file, loaded) = match f.try_lock() {
+            Ok(()) => reread(f),
+            Err(std::fs::TryLockError::WouldBlock) => blocking(move || -> std::io::Result<_> {
+                f.lock()?;
+                Ok(reread(f))
+            })
+            .await
+            .map_err(std::io::Error::other)??,
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+        };
         let body = match loaded {
             Ok(Reread::Unchanged(body)) => Some(body),
             Ok(Reread::Changed(bytes, c)) => {
@@ -940,7 +976,11 @@ impl Driver {
         // its result is used only once the lock is held. For a claim found
         // prepared already the result is ignored (one wasted GET).
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
-        let (host, got) = tokio::join!(self.host_lock(), api.get_opt(&claim.name));
+        let get = async {
+            let _permit = self.api_calls.acquire().await;
+            api.get_opt(&claim.name).await
+        };
+        let (host, got) = tokio::join!(self.host_lock(), get);
         let _host = host.map_err(|source| {
             ClaimError::Checkpoint(CheckpointError::Io {
                 path: self.config.checkpoint_path.clone(),
@@ -1485,7 +1525,9 @@ impl Driver {
             return;
         };
         let (name, uid, label) = (claim.name.clone(), claim.uid.clone(), claim.to_string());
+        let permits = self.api_calls.clone();
         let task = tokio::spawn(async move {
+            let _permit = permits.acquire().await;
             if let Err(e) = api
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await

@@ -44,7 +44,7 @@ pub use config::{
     ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, MpsSetup, OPAQUE_API_VERSION,
     OpaqueConfig, PluginConfig, Retry, WriteFault,
 };
-pub use driver::{ClaimError, Driver, RecoveryReport, STATUS_SETTLE};
+pub use driver::{API_CONCURRENCY, ClaimError, Driver, RecoveryReport, STATUS_SETTLE};
 pub use error::PluginError;
 pub use metrics::failure_reason;
 pub use server::{Registration, Serving, SocketPaths, run, serve};

@@ -46,3 +46,86 @@ fn many_concurrent_claims_with_the_host_lock_finish_on_a_small_blocking_pool() {
         assert_eq!(node.backend().gpu_instances(0).unwrap().len(), 3);
     });
 }
+
+/// The lock held by another process (here: another open file description,
+/// which `flock` treats the same): a prepare waits for it without creating
+/// anything, then goes on once it is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_waits_while_another_plugin_holds_the_host_lock() {
+    let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
+    let mut cfg = node.config.clone();
+    cfg.pod_uid = Some("pod-1".into());
+    let mut lock_path = cfg.checkpoint_path.clone().into_os_string();
+    lock_path.push(".lock");
+    let api = api().await;
+    let driver = std::sync::Arc::new(
+        carve_plugin::Driver::new(cfg, node.backend(), api.client())
+            .await
+            .unwrap(),
+    );
+    driver.recover().await.unwrap();
+    let held = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .unwrap();
+    held.lock().unwrap();
+    let c = put_claim(
+        &api,
+        "c",
+        "u-1",
+        &[("r", "gpu-0-mig-1g10gb-0")],
+        serde_json::json!([]),
+    );
+    let d = driver.clone();
+    let c2 = c.clone();
+    let prep = tokio::spawn(async move { d.prepare_one(&c2).await });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !prep.is_finished(),
+        "prepare went on while the lock was held"
+    );
+    assert!(node.backend().gpu_instances(0).unwrap().is_empty());
+    drop(held);
+    let r = tokio::time::timeout(std::time::Duration::from_secs(30), prep)
+        .await
+        .expect("prepare did not go on after the lock was released")
+        .unwrap();
+    r.unwrap_or_else(|e| panic!("{c}: {e}"));
+    assert_eq!(node.backend().gpu_instances(0).unwrap().len(), 1);
+}
+
+/// A burst of prepares on different GPUs (no pod UID: no host lock, they run
+/// in parallel) opens at most `API_CONCURRENCY` connections to the API
+/// server: the kube client keeps every connection it opened idle in its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_prepares_keeps_few_api_connections() {
+    let node = Node::new(vec![GpuEntry::new("h100-80gb", 8, true)]);
+    let api = api().await;
+    let driver = started(&node, node.config.clone(), &api).await;
+    let before = api.connections();
+    let claims: Vec<_> = (0..32)
+        .map(|i| {
+            let dev = format!("gpu-{}-mig-1g10gb-{}", i % 8, i / 8);
+            put_claim(
+                &api,
+                &format!("c{i}"),
+                &format!("u-{i}"),
+                &[("r", dev.as_str())],
+                serde_json::json!([]),
+            )
+        })
+        .collect();
+    for (c, r) in &driver.prepare(claims.clone()).await {
+        r.as_ref().unwrap_or_else(|e| panic!("{c}: {e}"));
+    }
+    for c in &claims {
+        driver.unprepare_one(&c.uid).await.unwrap();
+    }
+    let opened = api.connections() - before;
+    assert!(
+        opened <= carve_plugin::API_CONCURRENCY as u64,
+        "{opened} connections for 32 claims"
+    );
+}

@@ -456,6 +456,10 @@ pub(crate) struct InProcess {
     /// Claim GET and status PATCH round trips to the stand-in, timed alone.
     pub api_get: Vec<Duration>,
     pub api_patch: Vec<Duration>,
+    /// Context switches of this whole process (plugin core, stand-in,
+    /// runtime) per one-at-a-time prepare+unprepare cycle: thread hand-offs,
+    /// counted rather than timed, so it does not move with machine load.
+    pub switches_per_cycle: f64,
     /// Claims in the concurrent run.
     pub concurrent_claims: u64,
     /// Wall time of all concurrent prepares.
@@ -517,6 +521,12 @@ pub(crate) async fn in_process(
             syncs: syncs2 - syncs,
         }
     };
+    let switches = || {
+        nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)
+            .map(|u| u.voluntary_context_switches() + u.involuntary_context_switches())
+            .context("getrusage(RUSAGE_SELF)")
+    };
+    let switches_before = switches()?;
     for c in &seq {
         let s = start();
         driver
@@ -533,6 +543,8 @@ pub(crate) async fn in_process(
         out.unprepare.push(call(s));
         out.unprepares_ok += 1;
     }
+
+    out.switches_per_cycle = (switches()? - switches_before) as f64 / seq.len().max(1) as f64;
 
     // The API-server round trips of a prepare, alone: the claim GET and the
     // status PATCH (the same requests the driver sends).
@@ -611,6 +623,8 @@ struct ProcessFigures {
     rss_after_kib: [u64; 4],
     rss_kib: u64,
     hwm_kib: u64,
+    /// Resident KiB per mapping once registered, largest first.
+    rss_idle_by_mapping: Vec<(String, u64)>,
     /// Resident KiB per mapping after the cycles, largest first.
     rss_by_mapping: Vec<(String, u64)>,
     cycles: u64,
@@ -857,6 +871,7 @@ async fn plugin_process(
     p.wait_registered(&reg).await?;
     let kubelet = FakeKubelet::register(&reg, carve_model::DRIVER_NAME).await?;
     f.rss_idle_kib = proc_rss(p.pid()?)?;
+    f.rss_idle_by_mapping = proc_rss_by_mapping(p.pid()?)?;
     let devices = concurrent_devices(model, a.gpus, a.concurrency)?;
     let mut done = 0u64;
     let mut round = 0u64;
@@ -1092,6 +1107,14 @@ pub(crate) fn report_in_process(a: &PrepareBench, r: &InProcess, out: &mut Strin
         "background; unprepare waits for it",
         "",
     );
+    row(
+        out,
+        "context switches per prepare+unprepare cycle (whole process)",
+        &format!("{:.1}", r.switches_per_cycle),
+        "",
+        "thread hand-offs, counted",
+        "",
+    );
     let seq_rate = if seq_total.is_zero() {
         0.0
     } else {
@@ -1196,16 +1219,25 @@ fn report_process(a: &PrepareBench, f: &ProcessFigures, out: &mut String) -> boo
             mb(f.rss_kib) * 1e6 / RSS_TARGET_BYTES as f64
         ),
     );
-    let top: Vec<String> = f
-        .rss_by_mapping
-        .iter()
-        .take(5)
-        .map(|(name, kib)| format!("{name} {:.1}", mb(*kib)))
-        .collect();
+    let top = |by: &[(String, u64)]| {
+        by.iter()
+            .take(6)
+            .map(|(name, kib)| format!("{name} {:.1}", mb(*kib)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    row(
+        out,
+        "plugin RSS by mapping registered, idle (MB)",
+        &top(&f.rss_idle_by_mapping),
+        "",
+        "",
+        "",
+    );
     row(
         out,
         &format!("plugin RSS by mapping after {} claims (MB)", f.cycles),
-        &top.join(", "),
+        &top(&f.rss_by_mapping),
         "",
         "",
         "",

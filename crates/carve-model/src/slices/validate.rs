@@ -414,7 +414,15 @@ pub fn validate_slices(
     // order slices, devices, consumesCounters entries, counters) and read
     // back in that order by the pool checks; `starts[i]` is where slice `i`'s
     // begin.
-    let mut consumed = Vec::new();
+    // Sized up front (one counting pass) instead of regrown about ten
+    // times per validation: 1 % of its instructions (callgrind).
+    let entries = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .flat_map(|d| d.consumes_counters.iter().flatten())
+        .map(|cc| cc.counters.len())
+        .sum();
+    let mut consumed = Vec::with_capacity(entries);
     let mut starts = Vec::with_capacity(slices.len());
     for s in slices {
         starts.push(consumed.len());

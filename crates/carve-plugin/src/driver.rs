@@ -383,19 +383,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
         .map_err(|e| e.to_string())
 }
 
-/// Run a small file write: on a blocking thread when it fsyncs (`durable`),
-/// else right here on the runtime thread.
-///
-/// A write without fsync of a file of a few KB (checkpoint, CDI spec) to a
-/// local directory takes tens of microseconds, less than the two thread
-/// hand-offs of a blocking hop; an fsync waits for the disk.
-async fn file_write<T: Send + 'static>(
-    durable: bool,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, String> {
-    if durable { blocking(f).await } else { Ok(f()) }
-}
-
 fn backend_err(op: impl Into<String>) -> impl FnOnce(BackendError) -> ClaimError {
     let op = op.into();
     move |source| ClaimError::Backend { op, source }
@@ -614,19 +601,22 @@ impl Driver {
     /// fsynced only when the new body or the file it replaces records a GPU
     /// whose MIG mode the plugin enabled (the only state in it that a reboot
     /// does not undo; see the `checkpoint` module docs).
+    ///
+    /// On a blocking thread even without fsync: the rename that replaces the
+    /// old file frees its blocks, and a file system mounted with `discard`
+    /// may wait for the device there (0.3 ms p50, 3 ms worst, on an ext4
+    /// test VM; 0.03 ms on tmpfs).
     async fn persist(&self, body: &CheckpointBody) -> Result<(), CheckpointError> {
         let path = self.config.checkpoint_path.clone();
         let (bytes, durable) = self.encode(body)?;
         let fault = self.config.write_fault;
         let b = bytes.clone();
-        file_write(durable, move || {
-            checkpoint::store_bytes(&b, &path, durable, fault)
-        })
-        .await
-        .map_err(|e| CheckpointError::Io {
-            path: self.config.checkpoint_path.clone(),
-            source: std::io::Error::other(e),
-        })??;
+        blocking(move || checkpoint::store_bytes(&b, &path, durable, fault))
+            .await
+            .map_err(|e| CheckpointError::Io {
+                path: self.config.checkpoint_path.clone(),
+                source: std::io::Error::other(e),
+            })??;
         self.written(bytes, body);
         Ok(())
     }
@@ -642,7 +632,7 @@ impl Driver {
         let (bytes, durable) = self.encode(body)?;
         let fault = self.config.write_fault;
         let b = bytes.clone();
-        file_write(durable, move || -> Result<(), ClaimError> {
+        blocking(move || -> Result<(), ClaimError> {
             first()?;
             Ok(checkpoint::store_bytes(&b, &path, durable, fault)?)
         })

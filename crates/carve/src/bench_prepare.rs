@@ -93,14 +93,25 @@ pub struct PrepareBench {
     /// The NVML simulator library (default: next to this executable).
     #[arg(long)]
     pub nvml_sim_lib: Option<PathBuf>,
-    /// Where the plugin's files go (checkpoint, CDI specs, sockets): the
-    /// node's disk by default; `/dev/shm` takes disk flushes out of the figures.
+    /// Where the plugin's files go (checkpoint, sockets): the node's disk by
+    /// default; `/dev/shm` takes disk flushes out of the figures.
     #[arg(long, default_value = "/tmp")]
     pub files_dir: PathBuf,
+    /// Where the CDI specs go: a tmpfs (`/dev/shm` where the host has it) by
+    /// default, as `/var/run/cdi`, where the chart puts them, is on a node.
+    #[arg(long)]
+    pub cdi_dir: Option<PathBuf>,
     /// Run without a pod UID (no host lock, no checkpoint reread per
     /// operation), unlike the Helm chart.
     #[arg(long)]
     pub without_pod_uid: bool,
+}
+
+impl PrepareBench {
+    /// `--cdi-dir`, or a tmpfs where the host has one.
+    fn cdi_dir(&self) -> PathBuf {
+        self.cdi_dir.clone().unwrap_or_else(sim_parent)
+    }
 }
 
 /// A [`GpuBackend`] that delegates every call to the real backend and sums the
@@ -243,12 +254,13 @@ fn sim_parent() -> PathBuf {
 }
 
 /// One simulated node on disk: plugin directories under a temp dir (the
-/// node's ordinary file system), simulator state on tmpfs, a private copy of
-/// the simulator library with its side-car configuration.
+/// node's ordinary file system), CDI specs and simulator state on tmpfs, a
+/// private copy of the simulator library with its side-car configuration.
 #[derive(Debug)]
 struct BenchNode {
     dir: tempfile::TempDir,
     _sim_dir: tempfile::TempDir,
+    _cdi_dir: tempfile::TempDir,
     lib: PathBuf,
     sidecar: PathBuf,
     sim: SimConfig,
@@ -263,6 +275,7 @@ impl BenchNode {
         model: &str,
         gpus: u32,
         files_dir: &Path,
+        cdi_dir: &Path,
         pod_uid: bool,
     ) -> anyhow::Result<Self> {
         // Short base path: socket paths must fit in sockaddr_un (108 bytes).
@@ -275,6 +288,10 @@ impl BenchNode {
             .prefix("carve-bench-sim")
             .tempdir_in(&sim_parent)
             .with_context(|| format!("creating a temp dir in {}", sim_parent.display()))?;
+        let cdi = tempfile::Builder::new()
+            .prefix("carve-bench-cdi")
+            .tempdir_in(cdi_dir)
+            .with_context(|| format!("--cdi-dir {}: creating a temp dir", cdi_dir.display()))?;
         let d = dir.path();
         let lib = d.join("libnvidia_ml_sim.so");
         std::fs::copy(lib_src, &lib)
@@ -288,7 +305,7 @@ impl BenchNode {
         let mut c = PluginConfig::new(NODE);
         c.plugins_registry_dir = d.join("registry");
         c.plugin_dir = d.join("plugins");
-        c.cdi_dir = d.join("cdi");
+        c.cdi_dir = cdi.path().to_path_buf();
         c.checkpoint_path = d.join("state").join("checkpoint.json");
         c.boot_id_path = d.join("boot_id");
         c.gc_interval = None;
@@ -309,6 +326,7 @@ impl BenchNode {
         Ok(Self {
             dir,
             _sim_dir: sim_dir,
+            _cdi_dir: cdi,
             lib,
             sidecar,
             sim,
@@ -483,7 +501,14 @@ pub(crate) async fn in_process(
     model: &GpuModel,
     lib: &Path,
 ) -> anyhow::Result<InProcess> {
-    let node = BenchNode::new(lib, model.key, a.gpus, &a.files_dir, !a.without_pod_uid)?;
+    let node = BenchNode::new(
+        lib,
+        model.key,
+        a.gpus,
+        &a.files_dir,
+        &a.cdi_dir(),
+        !a.without_pod_uid,
+    )?;
     let api = ApiServer::start(Options::default()).await?;
     let store = api.store();
     let timed = Arc::new(TimedBackend::new(node.backend()?));
@@ -855,7 +880,14 @@ async fn plugin_process(
         ..ProcessFigures::default()
     };
 
-    let node = BenchNode::new(lib, model.key, a.gpus, &a.files_dir, !a.without_pod_uid)?;
+    let node = BenchNode::new(
+        lib,
+        model.key,
+        a.gpus,
+        &a.files_dir,
+        &a.cdi_dir(),
+        !a.without_pod_uid,
+    )?;
     let api = ApiServer::start(Options::default()).await?;
     let store = api.store();
     let reg = node.registration_socket()?;
@@ -1306,12 +1338,13 @@ pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
     };
     let rt = tokio::runtime::Runtime::new()?;
     println!(
-        "carve bench prepare: {} x {} (NVML simulator {}, simulator state in {}, plugin files in {}, {}, plugin process with MALLOC_ARENA_MAX={MALLOC_ARENA_MAX} as the chart; GPUs start in MIG mode, and the plugin fsyncs a checkpoint write only when it records MIG mode the plugin enabled), {} iterations, build {}",
+        "carve bench prepare: {} x {} (NVML simulator {}, simulator state in {}, plugin files in {}, CDI specs in {}, {}, plugin process with MALLOC_ARENA_MAX={MALLOC_ARENA_MAX} as the chart; GPUs start in MIG mode, and the plugin fsyncs a checkpoint write only when it records MIG mode the plugin enabled), {} iterations, build {}",
         args.gpus,
         model.key,
         lib.display(),
         sim_parent().display(),
         args.files_dir.display(),
+        args.cdi_dir().display(),
         if args.without_pod_uid {
             "no pod UID (unlike the chart)"
         } else {
@@ -1359,6 +1392,7 @@ mod tests {
             skip_rss: true,
             nvml_sim_lib: None,
             files_dir: std::env::temp_dir(),
+            cdi_dir: None,
             without_pod_uid: false,
         }
     }

@@ -290,42 +290,36 @@ impl ApiServer {
 
     /// Injects a fault (see [`Fault`]); takes effect for the next request.
     pub fn inject(&self, f: Fault) {
-        match f {
+        let (count, action, writes_only, resource) = match f {
             Fault::FailNext {
                 count,
                 status,
                 writes_only,
                 resource,
-            } => {
-                if count > 0 {
-                    lock(&self.state.faults).push(PendingFault {
-                        remaining: count,
-                        action: FaultAction::Fail(status),
-                        writes_only,
-                        resource,
-                    });
-                }
-            }
+            } => (count, FaultAction::Fail(status), writes_only, resource),
             Fault::DelayNext {
                 count,
                 delay,
                 writes_only,
                 resource,
-            } => {
-                if count > 0 {
-                    lock(&self.state.faults).push(PendingFault {
-                        remaining: count,
-                        action: FaultAction::Delay(delay),
-                        writes_only,
-                        resource,
-                    });
-                }
-            }
+            } => (count, FaultAction::Delay(delay), writes_only, resource),
             Fault::Down => {
                 self.state.down.store(true, Ordering::SeqCst);
                 self.state.epoch.send_modify(|e| *e += 1);
+                return;
             }
-            Fault::Up => self.state.down.store(false, Ordering::SeqCst),
+            Fault::Up => {
+                self.state.down.store(false, Ordering::SeqCst);
+                return;
+            }
+        };
+        if count > 0 {
+            lock(&self.state.faults).push(PendingFault {
+                remaining: count,
+                action,
+                writes_only,
+                resource,
+            });
         }
     }
 

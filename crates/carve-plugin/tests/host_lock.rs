@@ -5,8 +5,27 @@
 
 mod common;
 
+use carve_apiserver::ApiServer;
+use carve_plugin::ClaimRef;
 use common::*;
 use nvidia_ml_sim::GpuEntry;
+
+/// `n` claims `c<i>`/`u-<i>` of one 1g.10gb each, spread over 8 GPUs, on
+/// placements from `first_start` up.
+fn small_claims(api: &ApiServer, n: u32, first_start: u32) -> Vec<ClaimRef> {
+    (0..n)
+        .map(|i| {
+            let dev = format!("gpu-{}-mig-1g10gb-{}", i % 8, first_start + i / 8);
+            put_claim(
+                api,
+                &format!("c{i}"),
+                &format!("u-{i}"),
+                &[("r", dev.as_str())],
+                serde_json::json!([]),
+            )
+        })
+        .collect()
+}
 
 #[test]
 fn many_concurrent_claims_with_the_host_lock_finish_on_a_small_blocking_pool() {
@@ -25,18 +44,7 @@ fn many_concurrent_claims_with_the_host_lock_finish_on_a_small_blocking_pool() {
             .await
             .unwrap();
         driver.recover().await.unwrap();
-        let claims: Vec<_> = (0..24)
-            .map(|i| {
-                let dev = format!("gpu-{}-mig-1g10gb-{}", i % 8, 4 + i / 8);
-                put_claim(
-                    &api,
-                    &format!("c{i}"),
-                    &format!("u-{i}"),
-                    &[("r", dev.as_str())],
-                    serde_json::json!([]),
-                )
-            })
-            .collect();
+        let claims = small_claims(&api, 24, 4);
         let out = tokio::time::timeout(std::time::Duration::from_secs(120), driver.prepare(claims))
             .await
             .expect("24 concurrent prepares with the host lock did not finish: deadlock");
@@ -105,18 +113,7 @@ async fn a_burst_of_prepares_keeps_few_api_connections() {
     let api = api().await;
     let driver = started(&node, node.config.clone(), &api).await;
     let before = api.connections();
-    let claims: Vec<_> = (0..32)
-        .map(|i| {
-            let dev = format!("gpu-{}-mig-1g10gb-{}", i % 8, i / 8);
-            put_claim(
-                &api,
-                &format!("c{i}"),
-                &format!("u-{i}"),
-                &[("r", dev.as_str())],
-                serde_json::json!([]),
-            )
-        })
-        .collect();
+    let claims = small_claims(&api, 32, 0);
     for (c, r) in &driver.prepare(claims.clone()).await {
         r.as_ref().unwrap_or_else(|e| panic!("{c}: {e}"));
     }

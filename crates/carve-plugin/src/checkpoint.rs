@@ -1,6 +1,7 @@
 //! The plugin checkpoint: which claims are prepared and which MIG instances
 //! they own. Versioned JSON with a sha256 checksum of the canonical body,
-//! replaced atomically on every change (temp file, rename: a process that
+//! replaced atomically on every change (written into a spare file, whose name
+//! is then exchanged with the checkpoint's, see `fsutil`: a process that
 //! crashes at any point leaves the previous or the new file, and the next
 //! process reads it from the page cache).
 //!
@@ -14,14 +15,16 @@
 //! [`CheckpointBody::mig_enabled_by_plugin`]: MIG mode persists on the GPU,
 //! and recovery carries the set into the new boot to turn MIG mode off again.
 //!
-//! So a write is fsynced (the file before its rename, its directory after)
+//! So a write is fsynced (the file before its exchange, its directory after)
 //! when the new body records a GPU in that set, or when the file it replaces
-//! may record one
+//! may record one, or when the spare it overwrites may (the file the previous
+//! write replaced; the driver assumes so for a spare it did not see written)
 //! ([`store_bytes`]'s `durable`, decided by the driver). Every other write is
 //! not: what it changes is void after a reboot anyway. A write that is not
-//! fsynced can, after a power loss, leave a file whose name is renamed but
-//! whose data is not on disk (empty or garbage). That file cannot lose
-//! anything: the durable file it replaced recorded no GPU in the set either.
+//! fsynced can, after a power loss, leave a file whose name is exchanged but
+//! whose data is not on disk: empty, garbage, or the spare's older content.
+//! That file cannot lose anything or bring a GPU of the set back: neither the
+//! durable file it replaced nor the spare's content recorded one.
 //! Recovery must only not mistake it for a corrupt checkpoint of the current
 //! boot (which is rebuilt from the API server); the boot marker
 //! ([`write_boot_marker`], `<checkpoint>.boot`, written durably once per boot
@@ -36,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::WriteFault;
-use crate::fsutil::{FileKind, atomic_write};
+use crate::fsutil::{FileKind, atomic_write, exchange_write};
 
 /// `apiVersion` of the checkpoint format written by this version.
 pub const CHECKPOINT_API_VERSION: &str = "checkpoint.gpu.carve.dev/v1";
@@ -295,15 +298,16 @@ pub(crate) fn encode_body(body: &CheckpointBody, path: &Path) -> Result<Vec<u8>,
     })
 }
 
-/// Replace the checkpoint with `bytes` (from [`encode_body`]): temp file,
-/// fsync when `durable` (see the module docs), rename.
+/// Replace the checkpoint with `bytes` (from [`encode_body`]): written into
+/// the spare file, fsynced when `durable` (see the module docs), exchanged
+/// with the checkpoint (`fsutil::exchange_write`).
 pub(crate) fn store_bytes(
     bytes: &[u8],
     path: &Path,
     durable: bool,
     fault: Option<WriteFault>,
 ) -> Result<(), CheckpointError> {
-    atomic_write(path, bytes, FileKind::Checkpoint, durable, fault).map_err(|source| {
+    exchange_write(path, bytes, FileKind::Checkpoint, durable, fault).map_err(|source| {
         CheckpointError::Io {
             path: path.into(),
             source,

@@ -314,7 +314,7 @@ struct HostLock {
 }
 
 /// What this process last wrote to or read from the checkpoint file.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct DiskCopy {
     /// The file's bytes and their body (kept only with a pod UID, for
     /// [`Driver::host_lock`]: a file with these bytes needs no parsing).
@@ -322,6 +322,29 @@ struct DiskCopy {
     /// The file may record a GPU in `mig_enabled_by_plugin`, so replacing it
     /// must be durable ([`Driver::persist`], `checkpoint` module docs).
     records_mig: bool,
+    /// The same for the spare file the next write overwrites in place (what
+    /// the last write replaced; `fsutil::exchange_write`): after a power
+    /// loss a write that was not fsynced may show the spare's old content.
+    spare_records_mig: bool,
+}
+
+impl DiskCopy {
+    /// Before this process has read or written anything: both files may
+    /// record anything.
+    fn unknown() -> Self {
+        Self {
+            file: None,
+            records_mig: true,
+            spare_records_mig: true,
+        }
+    }
+}
+
+/// Who put the checkpoint file's content there ([`Driver::remember`]).
+#[derive(Clone, Copy)]
+enum Source {
+    Written,
+    Read,
 }
 
 /// The checkpoint as [`Driver::host_lock`] found it.
@@ -545,7 +568,7 @@ impl Driver {
             claim_locks: std::sync::Mutex::default(),
             host_mutex: Arc::default(),
             boot_id,
-            disk: std::sync::Mutex::default(),
+            disk: std::sync::Mutex::new(DiskCopy::unknown()),
             status_writes: std::sync::Mutex::default(),
             api_calls: Arc::new(tokio::sync::Semaphore::new(API_CONCURRENCY)),
         })
@@ -588,9 +611,16 @@ impl Driver {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Note what the checkpoint file now holds (written or read by us).
-    fn remember(&self, bytes: Arc<[u8]>, body: &CheckpointBody) {
+    /// Note what the checkpoint file now holds: written by this process
+    /// (`Source::Written`: the file it replaced is the spare now) or read
+    /// after another process wrote it (whose spare this process knows
+    /// nothing about).
+    fn remember(&self, bytes: Arc<[u8]>, body: &CheckpointBody, source: Source) {
         let mut d = self.disk();
+        d.spare_records_mig = match source {
+            Source::Written => d.records_mig,
+            Source::Read => true,
+        };
         d.records_mig = !body.mig_enabled_by_plugin.is_empty();
         if self.config.pod_uid.is_some() {
             d.file = Some((bytes, body.clone()));
@@ -645,12 +675,14 @@ impl Driver {
     /// The file's bytes for `body`, and whether writing them must be durable.
     fn encode(&self, body: &CheckpointBody) -> Result<(Arc<[u8]>, bool), CheckpointError> {
         let bytes = checkpoint::encode_body(body, &self.config.checkpoint_path)?.into();
-        let durable = !body.mig_enabled_by_plugin.is_empty() || self.disk().records_mig;
+        let d = self.disk();
+        let durable =
+            !body.mig_enabled_by_plugin.is_empty() || d.records_mig || d.spare_records_mig;
         Ok((bytes, durable))
     }
 
     fn written(&self, bytes: Arc<[u8]>, body: &CheckpointBody) {
-        self.remember(bytes, body);
+        self.remember(bytes, body, Source::Written);
         if let Some(m) = &self.config.metrics {
             m.inc_checkpoint_writes();
         }
@@ -772,7 +804,7 @@ impl Driver {
         let body = match loaded {
             Ok(Reread::Unchanged(body)) => Some(body),
             Ok(Reread::Changed(bytes, c)) => {
-                self.remember(bytes, &c.body);
+                self.remember(bytes, &c.body, Source::Read);
                 Some(c.body)
             }
             Ok(Reread::Missing) => None,
@@ -2051,7 +2083,7 @@ impl Driver {
         // Always durable: it may replace a file of an earlier boot.
         let bytes: Arc<[u8]> = checkpoint::encode_body(&body, &path)?.into();
         checkpoint::store_bytes(&bytes, &path, true, self.config.write_fault)?;
-        self.remember(bytes, &body);
+        self.remember(bytes, &body, Source::Written);
         if let Some(m) = &self.config.metrics {
             m.inc_checkpoint_writes();
         }

@@ -1,7 +1,7 @@
 //! Which checkpoint writes are fsynced: only those that record (or replace a
-//! file that records) a GPU whose MIG mode the plugin enabled, the one state
-//! in the checkpoint that a reboot does not undo. Alone in its test binary:
-//! the fsync counter is process-wide.
+//! file that records, or overwrite a spare that may record) a GPU whose MIG
+//! mode the plugin enabled, the one state in the checkpoint that a reboot does
+//! not undo. Alone in its test binary: the fsync counter is process-wide.
 
 mod common;
 
@@ -38,12 +38,22 @@ async fn checkpoint_writes_are_fsynced_only_while_they_record_plugin_enabled_mig
             &[("r", "gpu-0-mig-1g10gb-4")],
             serde_json::json!([]),
         );
+        // The first write after recovery overwrites the spare, which holds
+        // the file recovery replaced (for all this process knows, one of an
+        // earlier boot that records MIG mode): durable. Then none is.
         let (n, r) = syncs(driver.prepare_one(&c)).await;
         r.unwrap();
-        assert_eq!(n, 0, "{pod_uid:?}: prepare with MIG mode already on");
-        let (n, r) = syncs(driver.unprepare_one("u-a")).await;
-        r.unwrap();
-        assert_eq!(n, 0, "{pod_uid:?}: unprepare with MIG mode already on");
+        assert_eq!(n, 1, "{pod_uid:?}: first prepare after recovery");
+        for round in 0..2 {
+            if round > 0 {
+                let (n, r) = syncs(driver.prepare_one(&c)).await;
+                r.unwrap();
+                assert_eq!(n, 0, "{pod_uid:?}: prepare with MIG mode already on");
+            }
+            let (n, r) = syncs(driver.unprepare_one("u-a")).await;
+            r.unwrap();
+            assert_eq!(n, 0, "{pod_uid:?}: unprepare with MIG mode already on");
+        }
         let cp = Checkpoint::load(&cfg.checkpoint_path).unwrap().unwrap();
         assert!(cp.body.claims.is_empty() && cp.body.mig_enabled_by_plugin.is_empty());
         drop(driver);
@@ -76,11 +86,12 @@ async fn checkpoint_writes_are_fsynced_only_while_they_record_plugin_enabled_mig
         let cp = Checkpoint::load(&cfg.checkpoint_path).unwrap().unwrap();
         assert!(cp.body.claims.is_empty() && cp.body.mig_enabled_by_plugin.is_empty());
         assert!(!node.backend().mig_mode(0).unwrap().current);
-        // From here on nothing records MIG mode: no fsync.
+        // The next write overwrites the spare, which still records MIG mode
+        // enabled: durable. From there on nothing records it: no fsync.
         let c = put_claim(&api, "c-c", "u-c", &[("r", "gpu-0")], serde_json::json!([]));
         let (n, r) = syncs(driver.prepare_one(&c)).await;
         r.unwrap();
-        assert_eq!(n, 0, "{pod_uid:?}: whole-GPU prepare");
+        assert_eq!(n, 1, "{pod_uid:?}: whole-GPU prepare");
         let (n, r) = syncs(driver.unprepare_one("u-c")).await;
         r.unwrap();
         assert_eq!(n, 0, "{pod_uid:?}: whole-GPU unprepare");

@@ -340,6 +340,49 @@ impl DiskCopy {
     }
 }
 
+/// GI/CI and stranded-slice gauges to set from NVML
+/// ([`Driver::instance_gauges`]).
+struct InstanceGauges {
+    metrics: Arc<carve_metrics::Metrics>,
+    /// GPU index, UUID (the gauges' label) and spec.
+    targets: Vec<(u32, String, carve_model::GpuSpec)>,
+}
+
+impl InstanceGauges {
+    /// Read the GPUs' instances and set the gauges. Blocking.
+    fn run(&self, b: &dyn GpuBackend) {
+        let m = &self.metrics;
+        for (g, uuid, spec) in &self.targets {
+            match b.gpu_instances(*g) {
+                Ok(v) => {
+                    let cis: usize = v.iter().map(|gi| gi.compute_instances.len()).sum();
+                    m.set_instances(uuid, v.len() as u64, cis as u64);
+                    let live: Vec<carve_model::Instance> = v
+                        .iter()
+                        .filter_map(|gi| {
+                            let profile =
+                                spec.profiles.iter().position(|p| p.id == gi.profile_id)?;
+                            Some(carve_model::Instance {
+                                profile,
+                                start: gi.placement.start,
+                            })
+                        })
+                        .collect();
+                    if let Ok(occ) = carve_model::Occupancy::with(spec, &live) {
+                        let st = occ.stranded();
+                        m.set_stranded(
+                            uuid,
+                            u64::from(st.memory_slices),
+                            u64::from(st.compute_slices),
+                        );
+                    }
+                }
+                Err(e) => tracing::debug!(gpu = g, error = %e, "instance count for metrics"),
+            }
+        }
+    }
+}
+
 /// Who put the checkpoint file's content there ([`Driver::remember`]).
 #[derive(Clone, Copy)]
 enum Source {
@@ -381,8 +424,9 @@ pub struct Driver {
 /// connection per concurrent request and keeps every one idle in its pool
 /// (with its buffers) for 90 s: a burst of 56 prepares left 56 connections
 /// behind. Four keep a burst's GETs flowing (the host lock serialises the
-/// prepares themselves) and bound what is kept, as client-go's QPS/burst
-/// limits bound a Go plugin's requests.
+/// prepares themselves) and bound what is kept to about four (a connection
+/// may still be on its way back to the pool when the next request starts),
+/// as client-go's QPS/burst limits bound a Go plugin's requests.
 pub const API_CONCURRENCY: usize = 4;
 
 /// How long an unprepare (or a stopping plugin) waits for a status write of
@@ -698,11 +742,20 @@ impl Driver {
     }
 
     /// Set the GI/CI gauges of the MIG-capable GPUs among `gpus` from NVML
-    /// (only with metrics configured). A failed read leaves the gauge as it was.
+    /// (only with metrics configured), on a blocking thread. A failed read
+    /// leaves the gauge as it was.
     async fn record_instances(&self, gpus: impl IntoIterator<Item = u32>) {
-        let Some(m) = self.config.metrics.clone() else {
-            return;
-        };
+        if let Some(job) = self.instance_gauges(gpus) {
+            let b = self.backend.clone();
+            let _ = blocking(move || job.run(&*b)).await;
+        }
+    }
+
+    /// What [`Self::record_instances`] does, to run inside a blocking hop
+    /// that already holds the GPUs' locks (prepare's and unprepare's
+    /// hardware steps): `None` without metrics or MIG-capable GPUs.
+    fn instance_gauges(&self, gpus: impl IntoIterator<Item = u32>) -> Option<InstanceGauges> {
+        let metrics = self.config.metrics.clone()?;
         let targets: Vec<(u32, String, carve_model::GpuSpec)> = gpus
             .into_iter()
             .filter_map(|g| self.gpus.get(&g))
@@ -715,41 +768,7 @@ impl Driver {
                 )
             })
             .collect();
-        if targets.is_empty() {
-            return;
-        }
-        let b = self.backend.clone();
-        let _ = blocking(move || {
-            for (g, uuid, spec) in targets {
-                match b.gpu_instances(g) {
-                    Ok(v) => {
-                        let cis: usize = v.iter().map(|gi| gi.compute_instances.len()).sum();
-                        m.set_instances(&uuid, v.len() as u64, cis as u64);
-                        let live: Vec<carve_model::Instance> = v
-                            .iter()
-                            .filter_map(|gi| {
-                                let profile =
-                                    spec.profiles.iter().position(|p| p.id == gi.profile_id)?;
-                                Some(carve_model::Instance {
-                                    profile,
-                                    start: gi.placement.start,
-                                })
-                            })
-                            .collect();
-                        if let Ok(occ) = carve_model::Occupancy::with(&spec, &live) {
-                            let st = occ.stranded();
-                            m.set_stranded(
-                                &uuid,
-                                u64::from(st.memory_slices),
-                                u64::from(st.compute_slices),
-                            );
-                        }
-                    }
-                    Err(e) => tracing::debug!(gpu = g, error = %e, "instance count for metrics"),
-                }
-            }
-        })
-        .await;
+        (!targets.is_empty()).then_some(InstanceGauges { metrics, targets })
     }
 
     /// With a pod UID (rolling update: two plugin pods may run at once) every
@@ -1258,6 +1277,8 @@ impl Driver {
         let mut records: Vec<DeviceRecord> = planned.into_iter().map(|p| p.record).collect();
         let live2 = live.clone();
         let shared2 = shared.clone();
+        // The gauges are read in the same hop (an undo sets them again).
+        let gauges = self.instance_gauges(gpu_ids.iter().copied());
         let hw = blocking(move || {
             let r = make_devices(
                 &*b,
@@ -1267,6 +1288,9 @@ impl Driver {
                 &live2,
                 &shared2,
             );
+            if let Some(g) = &gauges {
+                g.run(&*b);
+            }
             (r, records)
         })
         .await;
@@ -1380,7 +1404,6 @@ impl Driver {
         }
         drop(guards);
         self.record_mps(&*self.state.lock().await);
-        self.record_instances(gpu_ids).await;
         Ok(Self::prepared_devices(&rec))
     }
 
@@ -1401,11 +1424,18 @@ impl Driver {
         let pci = self.pci_map();
         let compute_set = self.state.lock().await.compute_mode_set_by_plugin.clone();
         let keep = keep.clone();
+        let gauges = self.instance_gauges(devs.iter().map(|d| d.gpu_index));
         let r = blocking(move || {
-            if let Some(setup) = &setup {
-                crate::mps::detach(setup, &*b, &uid, &devs, &compute_set, &pci)?;
+            let r = (|| {
+                if let Some(setup) = &setup {
+                    crate::mps::detach(setup, &*b, &uid, &devs, &compute_set, &pci)?;
+                }
+                destroy_devices(&*b, retry, &devs, &keep)
+            })();
+            if let Some(g) = &gauges {
+                g.run(&*b);
             }
-            destroy_devices(&*b, retry, &devs, &keep)
+            r
         })
         .await;
         match r {
@@ -1743,13 +1773,18 @@ impl Driver {
                     .await
                     .map_err(ClaimError::Task)??;
         }
-        // The instances, then the CDI spec, on one blocking thread.
+        // The instances, the gauges, then the CDI spec, on one blocking thread.
         let b = self.backend.clone();
         let retry = self.config.unprepare_retry;
         let devs = rec.devices.clone();
         let spec = rec.cdi_spec.clone();
+        let gauges = self.instance_gauges(gpu_ids.iter().copied());
         blocking(move || -> Result<(), ClaimError> {
-            destroy_devices(&*b, retry, &devs, &keep)?;
+            let destroyed = destroy_devices(&*b, retry, &devs, &keep);
+            if let Some(g) = &gauges {
+                g.run(&*b);
+            }
+            destroyed?;
             if let Some(p) = &spec {
                 cdi::remove(p)?;
             }
@@ -1819,7 +1854,6 @@ impl Driver {
         drop(guard);
         drop(lock);
         self.drop_claim_lock(uid);
-        self.record_instances(gpu_ids).await;
         tracing::info!(claim.uid = %uid, "unprepared");
         Ok(())
     }

@@ -105,8 +105,13 @@ async fn a_prepare_waits_while_another_plugin_holds_the_host_lock() {
 }
 
 /// A burst of prepares on different GPUs (no pod UID: no host lock, they run
-/// in parallel) opens at most `API_CONCURRENCY` connections to the API
-/// server: the kube client keeps every connection it opened idle in its pool.
+/// in parallel) opens about `API_CONCURRENCY` connections to the API server,
+/// not one per claim: the kube client keeps every connection it opened idle
+/// in its pool. About: a request's permit is released when its response is
+/// read, and its connection goes back to the pool a moment later (once the
+/// connection task has seen the response end), so the next request may find
+/// none idle and open one more (5 seen under a loaded test run). Without the
+/// limit the burst opens one per claim (32).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_prepares_keeps_few_api_connections() {
     let node = Node::new(vec![GpuEntry::new("h100-80gb", 8, true)]);
@@ -122,7 +127,7 @@ async fn a_burst_of_prepares_keeps_few_api_connections() {
     }
     let opened = api.connections() - before;
     assert!(
-        opened <= carve_plugin::API_CONCURRENCY as u64,
+        opened <= 2 * carve_plugin::API_CONCURRENCY as u64,
         "{opened} connections for 32 claims"
     );
 }

@@ -7,8 +7,8 @@
 //! `NvmlBackend`, against the API-server stand-in over HTTP, configured as the
 //! Helm chart deploys the plugin: with a pod UID (every operation takes the
 //! host lock and rereads the checkpoint's bytes, parsing them only when
-//! another process wrote them) and, for the process, the chart's
-//! `MALLOC_ARENA_MAX`. It prints figures next to their targets, with the
+//! another process wrote them), with metrics (the GI/CI gauges are read from
+//! NVML on every call) and, for the process, the chart's `MALLOC_ARENA_MAX`. It prints figures next to their targets, with the
 //! ratio value/target; it never asserts timings.
 //!
 //! "Overhead" is a call's wall time minus the time spent inside `GpuBackend`
@@ -310,6 +310,8 @@ impl BenchNode {
         c.boot_id_path = d.join("boot_id");
         c.gc_interval = None;
         c.pod_uid = pod_uid.then(|| POD_UID.to_string());
+        // The chart serves metrics: GI/CI gauges are read on every call.
+        c.metrics = Some(Arc::new(carve_metrics::Metrics::new()));
         c.unprepare_retry = Retry {
             attempts: 3,
             initial: Duration::from_millis(1),

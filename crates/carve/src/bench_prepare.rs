@@ -502,6 +502,7 @@ pub(crate) async fn in_process(
     a: &PrepareBench,
     model: &GpuModel,
     lib: &Path,
+    stand_in: &tokio::runtime::Handle,
 ) -> anyhow::Result<InProcess> {
     let node = BenchNode::new(
         lib,
@@ -511,7 +512,12 @@ pub(crate) async fn in_process(
         &a.cdi_dir(),
         !a.without_pod_uid,
     )?;
-    let api = ApiServer::start(Options::default()).await?;
+    // The stand-in serves from a thread of its own, as an API server elsewhere
+    // would: every response wakes the driver's thread.
+    let api = stand_in
+        .spawn(ApiServer::start(Options::default()))
+        .await
+        .context("starting the API-server stand-in")??;
     let store = api.store();
     let timed = Arc::new(TimedBackend::new(node.backend()?));
     let driver = Driver::new(node.config.clone(), timed.clone(), api.try_client()?).await?;
@@ -1338,7 +1344,13 @@ pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
     } else {
         help_peak_kib(&std::env::current_exe().context("locating this executable")?)?
     };
-    let rt = tokio::runtime::Runtime::new()?;
+    // The driver runs on the plugin's runtime; the stand-in on its own.
+    let rt = crate::plugin::runtime()?;
+    let stand_in = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("api-stand-in")
+        .enable_all()
+        .build()?;
     println!(
         "carve bench prepare: {} x {} (NVML simulator {}, simulator state in {}, plugin files in {}, CDI specs in {}, {}, plugin process with MALLOC_ARENA_MAX={MALLOC_ARENA_MAX} as the chart; GPUs start in MIG mode, and the plugin fsyncs a checkpoint write only when it records MIG mode the plugin enabled), {} iterations, build {}",
         args.gpus,
@@ -1362,7 +1374,7 @@ pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
     let mut out = String::new();
     row(&mut out, "figure", "value", "target", "baseline", "result");
     let r = rt
-        .block_on(in_process(args, model, &lib))
+        .block_on(in_process(args, model, &lib, stand_in.handle()))
         .context("in-process part")?;
     let mut ok = report_in_process(args, &r, &mut out);
     print!("{out}");
@@ -1404,7 +1416,9 @@ mod tests {
         let a = args(12, 2, 14);
         let model = check_args(&a).unwrap();
         let lib = crate::simulate::find_sim_lib(None).unwrap();
-        let r = in_process(&a, model, &lib).await.unwrap();
+        let r = in_process(&a, model, &lib, &tokio::runtime::Handle::current())
+            .await
+            .unwrap();
         assert_eq!(r.prepare.len(), 12);
         assert_eq!(r.unprepare.len(), 12);
         // 12 one at a time, then max(1, 12 / 14) = 1 round of 14.

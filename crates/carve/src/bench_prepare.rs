@@ -22,9 +22,10 @@
 //! replaces a file that records) a GPU whose MIG mode the plugin enabled, the
 //! one state in it that a reboot does not undo (see `carve_plugin`'s
 //! checkpoint module): the simulated GPUs start in MIG mode, so the benchmark
-//! counts 0 fsyncs per call, and a node where the plugin turned MIG mode on
-//! pays one fsync per checkpoint write (1 per prepare, 2 per unprepare),
-//! which the fsync row then shows. It is not a load test of a
+//! counts 0 fsyncs per call (but for the first write after the plugin starts,
+//! whose spare file may hold an earlier boot's checkpoint), and a node where
+//! the plugin turned MIG mode on pays one fsync per checkpoint write (1 per
+//! prepare, 2 per unprepare), which the fsync row then shows. It is not a load test of a
 //! real GPU: simulator calls are far faster than NVML on hardware, which is
 //! why NVML time is measured and subtracted rather than assumed.
 

@@ -171,12 +171,21 @@ pub(crate) fn exchange_write(
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     let dir = path.parent().unwrap_or(Path::new("."));
     let spare = spare_path(path);
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(&spare)?;
+    let open = |o: &mut std::fs::OpenOptions| {
+        o.write(true)
+            .truncate(false)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&spare)
+    };
+    // Never written through a symlink: one in the spare's place (a symlinked
+    // checkpoint exchanged out, or planted) is removed and a file made anew.
+    let f = match open(std::fs::OpenOptions::new().create(true)) {
+        Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => {
+            std::fs::remove_file(&spare)?;
+            open(std::fs::OpenOptions::new().create_new(true))?
+        }
+        r => r?,
+    };
     f.write_all_at(bytes, 0)?;
     f.set_len(bytes.len() as u64)?;
     let mut synced = Duration::ZERO;
@@ -263,15 +272,23 @@ mod tests {
     }
 
     #[test]
-    fn a_spare_that_is_a_symlink_is_refused() {
+    fn a_spare_that_is_a_symlink_is_replaced_not_written_through() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("a.json");
         let elsewhere = d.path().join("elsewhere");
         std::fs::write(&elsewhere, b"keep").unwrap();
         exchange_write(&p, b"one", FileKind::Cdi, false, None).unwrap();
         std::os::unix::fs::symlink(&elsewhere, spare_path(&p)).unwrap();
-        assert!(exchange_write(&p, b"two", FileKind::Cdi, false, None).is_err());
-        assert_eq!(std::fs::read(&p).unwrap(), b"one");
+        exchange_write(&p, b"two", FileKind::Cdi, false, None).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read(&elsewhere).unwrap(), b"keep");
+        assert!(std::fs::symlink_metadata(&p).unwrap().is_file());
+        // A symlinked checkpoint: exchanged out, it is the spare next time.
+        std::fs::remove_file(&p).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &p).unwrap();
+        exchange_write(&p, b"three", FileKind::Cdi, false, None).unwrap();
+        exchange_write(&p, b"four", FileKind::Cdi, false, None).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"four");
         assert_eq!(std::fs::read(&elsewhere).unwrap(), b"keep");
     }
 

@@ -4,12 +4,15 @@
 //! No I/O here; [`crate::SlicePublisher`] lists, calls [`plan`] and executes the
 //! steps in the order given.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use carve_model::slices::parse_quantity;
 use k8s_openapi::api::resource::v1::{Counter, Device, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
+use sha2::{Digest as _, Sha256};
 
 use crate::error::PublishError;
 
@@ -250,25 +253,157 @@ pub fn validate_desired(
 
 /// One write of a [`Plan`], in execution order.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Step {
+pub enum Step<'d> {
     /// POST this slice (its name is free).
-    Create(ResourceSlice),
-    /// PUT this slice; `metadata.resourceVersion` holds the observed version.
-    Update(ResourceSlice),
+    Create(Write<'d>),
+    /// PUT this slice, with the observed `metadata.resourceVersion`.
+    Update(Write<'d>),
     /// DELETE the slice of this name.
     Delete(String),
 }
 
+/// A desired slice to send, by reference: the plan holds no copy of the
+/// desired set (the plugin keeps its slices; a plan of copies doubled its
+/// heap at the first publish). [`Write::to_slice`] makes the object to send.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Write<'d> {
+    /// The desired slice.
+    pub desired: &'d ResourceSlice,
+    /// The pool generation to send it with.
+    pub generation: i64,
+    /// The observed `metadata.resourceVersion` (updates only).
+    pub resource_version: Option<String>,
+}
+
+impl Write<'_> {
+    /// The slice's name.
+    pub fn name(&self) -> &str {
+        name_of(self.desired)
+    }
+
+    /// The object to send: the desired slice with only the metadata the
+    /// publisher owns, this generation and the observed resource version.
+    pub fn to_slice(&self) -> ResourceSlice {
+        let mut slice = clean(self.desired);
+        slice.spec.pool.generation = self.generation;
+        slice.metadata.resource_version = self.resource_version.clone();
+        slice
+    }
+}
+
 /// The writes that make the existing slices equal to the desired ones.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct Plan {
+pub struct Plan<'d> {
     /// Writes in execution order: every create/update of the new generations
     /// first, deletes of stale slices last (see [`plan`] for why).
-    pub steps: Vec<Step>,
+    pub steps: Vec<Step<'d>>,
     /// Desired slices that already exist with the same content and need no write.
     pub unchanged: usize,
     /// The generation of every desired pool once the plan has run.
     pub generations: BTreeMap<String, i64>,
+}
+
+/// A listed ResourceSlice reduced, as it is read, to what [`plan`] needs: its
+/// name, resource version, driver, node, pool and generation, and a digest of
+/// its [`content`]. The publisher lists the node's slices on every resync; as
+/// full objects they were a second copy of every published slice (megabytes
+/// of heap that glibc keeps once freed).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listed {
+    /// `name` and `resourceVersion` only.
+    metadata: ObjectMeta,
+    /// `spec.driver`.
+    pub driver: String,
+    /// `spec.nodeName`.
+    pub node_name: Option<String>,
+    /// `spec.pool.name`.
+    pub pool: String,
+    /// `spec.pool.generation`.
+    pub generation: i64,
+    /// [`digest`] of the slice.
+    pub digest: [u8; 32],
+}
+
+impl Listed {
+    /// `slice` reduced.
+    pub fn of(slice: &ResourceSlice) -> Self {
+        Listed {
+            metadata: ObjectMeta {
+                name: slice.metadata.name.clone(),
+                resource_version: slice.metadata.resource_version.clone(),
+                ..Default::default()
+            },
+            driver: slice.spec.driver.clone(),
+            node_name: slice.spec.node_name.clone(),
+            pool: slice.spec.pool.name.clone(),
+            generation: slice.spec.pool.generation,
+            digest: digest(slice),
+        }
+    }
+
+    /// `metadata.name`.
+    pub fn name(&self) -> &str {
+        self.metadata.name.as_deref().unwrap_or("")
+    }
+
+    /// `metadata.resourceVersion`.
+    pub fn resource_version(&self) -> Option<&str> {
+        self.metadata.resource_version.as_deref()
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Listed {
+    /// One item of a list answer: read whole, reduced at once.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        ResourceSlice::deserialize(d).map(|s| Listed::of(&s))
+    }
+}
+
+impl kube::Resource for Listed {
+    type DynamicType = ();
+    type Scope = <ResourceSlice as kube::Resource>::Scope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        <ResourceSlice as kube::Resource>::kind(dt)
+    }
+    fn group(dt: &()) -> Cow<'_, str> {
+        <ResourceSlice as kube::Resource>::group(dt)
+    }
+    fn version(dt: &()) -> Cow<'_, str> {
+        <ResourceSlice as kube::Resource>::version(dt)
+    }
+    fn plural(dt: &()) -> Cow<'_, str> {
+        <ResourceSlice as kube::Resource>::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// SHA-256 of a slice's [`content`], computed a device at a time: equal
+/// digests mean [`same_content`] (the tests check that they agree).
+pub fn digest(slice: &ResourceSlice) -> [u8; 32] {
+    struct Hashing(Sha256);
+    impl std::io::Write for Hashing {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut h = Hashing(Sha256::new());
+    // Compact JSON has no raw newline: it separates the parts unambiguously.
+    let _ = serde_json::to_writer(&mut h, &header(slice));
+    for d in devices_of(slice) {
+        h.0.update(b"\n");
+        let _ = serde_json::to_writer(&mut h, &device_content(d));
+    }
+    h.0.finalize().into()
 }
 
 /// Computes the writes that turn `existing` (the slices of this driver on this
@@ -293,8 +428,8 @@ pub struct Plan {
 /// exception is a name that moves to another pool (`spec.pool.name` is
 /// immutable): that slice is deleted and re-created, after all other writes of
 /// the new generations.
-pub fn plan(existing: &[ResourceSlice], desired: &[ResourceSlice]) -> Plan {
-    let by_name: HashMap<&str, &ResourceSlice> = existing.iter().map(|s| (name_of(s), s)).collect();
+pub fn plan<'d>(existing: &[Listed], desired: &'d [ResourceSlice]) -> Plan<'d> {
+    let by_name: HashMap<&str, &Listed> = existing.iter().map(|s| (s.name(), s)).collect();
     let desired_names: BTreeSet<&str> = desired.iter().map(name_of).collect();
 
     // Desired slices grouped by pool, in first-seen order.
@@ -312,20 +447,17 @@ pub fn plan(existing: &[ResourceSlice], desired: &[ResourceSlice]) -> Plan {
     }
 
     let mut out = Plan::default();
-    let mut recreate: Vec<(String, ResourceSlice)> = Vec::new();
+    let mut recreate: Vec<(String, Write<'d>)> = Vec::new();
     for pool in pool_order {
         let wanted = &by_pool[pool];
-        let present: Vec<&ResourceSlice> = existing
-            .iter()
-            .filter(|s| s.spec.pool.name == pool)
-            .collect();
-        let generations: BTreeSet<i64> = present.iter().map(|s| s.spec.pool.generation).collect();
+        let present: Vec<&Listed> = existing.iter().filter(|s| s.pool == pool).collect();
+        let generations: BTreeSet<i64> = present.iter().map(|s| s.generation).collect();
         let up_to_date = present.len() == wanted.len()
             && generations.len() == 1
             && wanted.iter().all(|w| {
                 by_name
                     .get(name_of(w))
-                    .is_some_and(|e| e.spec.pool.name == pool && same_content(e, w))
+                    .is_some_and(|e| e.pool == pool && e.digest == digest(w))
             });
         if up_to_date {
             out.unchanged += wanted.len();
@@ -336,25 +468,28 @@ pub fn plan(existing: &[ResourceSlice], desired: &[ResourceSlice]) -> Plan {
         let generation = generations.last().map_or(0, |g| g.saturating_add(1));
         out.generations.insert(pool.to_owned(), generation);
         for w in wanted {
-            let mut slice = clean(w);
-            slice.spec.pool.generation = generation;
+            let mut write = Write {
+                desired: w,
+                generation,
+                resource_version: None,
+            };
             match by_name.get(name_of(w)) {
-                Some(e) if e.spec.pool.name == pool => {
-                    slice.metadata.resource_version = e.metadata.resource_version.clone();
-                    out.steps.push(Step::Update(slice));
+                Some(e) if e.pool == pool => {
+                    write.resource_version = e.resource_version().map(str::to_owned);
+                    out.steps.push(Step::Update(write));
                 }
-                Some(_) => recreate.push((name_of(w).to_owned(), slice)),
-                None => out.steps.push(Step::Create(slice)),
+                Some(_) => recreate.push((name_of(w).to_owned(), write)),
+                None => out.steps.push(Step::Create(write)),
             }
         }
     }
-    for (name, slice) in recreate {
+    for (name, write) in recreate {
         out.steps.push(Step::Delete(name));
-        out.steps.push(Step::Create(slice));
+        out.steps.push(Step::Create(write));
     }
     for e in existing {
-        if !desired_names.contains(name_of(e)) {
-            out.steps.push(Step::Delete(name_of(e).to_owned()));
+        if !desired_names.contains(e.name()) {
+            out.steps.push(Step::Delete(e.name().to_owned()));
         }
     }
     out
@@ -446,14 +581,15 @@ mod tests {
         steps
             .iter()
             .map(|s| match s {
-                Step::Create(x) => format!("create {}", x.metadata.name.as_deref().unwrap_or("")),
-                Step::Update(x) => format!("update {}", x.metadata.name.as_deref().unwrap_or("")),
+                Step::Create(x) => format!("create {}", x.name()),
+                Step::Update(x) => format!("update {}", x.name()),
                 Step::Delete(n) => format!("delete {n}"),
             })
             .collect()
     }
 
-    /// `same_content`, checked against comparing whole [`content`] values.
+    /// `same_content`, checked against comparing whole [`content`] values
+    /// and against comparing [`digest`]s (what [`plan`] compares).
     fn agree(a: &ResourceSlice, b: &ResourceSlice) -> bool {
         let same = same_content(a, b);
         assert_eq!(
@@ -461,7 +597,36 @@ mod tests {
             content(a) == content(b),
             "same_content and content disagree"
         );
+        assert_eq!(
+            same,
+            digest(a) == digest(b),
+            "same_content and digest disagree"
+        );
         same
+    }
+
+    /// Slices as the publisher lists them.
+    fn listed(slices: &[ResourceSlice]) -> Vec<Listed> {
+        slices.iter().map(Listed::of).collect()
+    }
+
+    #[test]
+    fn a_listed_slice_is_read_reduced() {
+        let a = stored(&slice("s0", NODE, 1, &["gpu-0"]), 3, "42");
+        let json = serde_json::to_string(&a).unwrap();
+        let l: Listed = serde_json::from_str(&json).unwrap();
+        assert_eq!(l, Listed::of(&a));
+        assert_eq!(
+            (
+                l.name(),
+                l.resource_version(),
+                l.pool.as_str(),
+                l.generation
+            ),
+            ("s0", Some("42"), NODE, 3)
+        );
+        assert_eq!(l.digest, digest(&slice("s0", NODE, 1, &["gpu-0"])));
+        assert_ne!(l.digest, digest(&slice("s0", NODE, 1, &["gpu-1"])));
     }
 
     #[test]
@@ -670,7 +835,8 @@ mod tests {
         assert_eq!(p.generations, BTreeMap::from([(NODE.to_owned(), 0)]));
         assert_eq!(p.unchanged, 0);
         for s in &p.steps {
-            let Step::Create(s) = s else { unreachable!() };
+            let Step::Create(w) = s else { unreachable!() };
+            let s = w.to_slice();
             assert_eq!(s.spec.pool.generation, 0);
             assert_eq!(s.metadata.resource_version, None);
         }
@@ -683,7 +849,7 @@ mod tests {
             slice("s1", NODE, 2, &["gpu-1"]),
         ];
         let existing = [stored(&d[1], 7, "11"), stored(&d[0], 7, "10")];
-        let p = plan(&existing, &d);
+        let p = plan(&listed(&existing), &d);
         assert!(p.steps.is_empty(), "{:?}", names(&p.steps));
         assert_eq!(p.unchanged, 2);
         assert_eq!(p.generations[NODE], 7);
@@ -700,14 +866,15 @@ mod tests {
             slice("s0", NODE, 2, &["gpu-0"]),
             slice("s1", NODE, 2, &["gpu-1-mig"]),
         ];
-        let p = plan(&old, &d);
+        let p = plan(&listed(&old), &d);
         assert_eq!(names(&p.steps), ["update s0", "update s1", "delete s2"]);
         assert_eq!(p.generations[NODE], 5);
         let rvs: Vec<_> = p
             .steps
             .iter()
             .filter_map(|s| match s {
-                Step::Update(s) => {
+                Step::Update(w) => {
+                    let s = w.to_slice();
                     assert_eq!(s.spec.pool.generation, 5);
                     assert_eq!(s.metadata.uid, None, "server metadata is not sent back");
                     s.metadata.resource_version.clone()
@@ -726,7 +893,7 @@ mod tests {
             slice("s1", NODE, 2, &["gpu-1"]),
         ];
         let existing = [stored(&d[0], 3, "10"), stored(&d[1], 2, "11")];
-        let p = plan(&existing, &d);
+        let p = plan(&listed(&existing), &d);
         assert_eq!(names(&p.steps), ["update s0", "update s1"]);
         assert_eq!(p.generations[NODE], 4);
     }
@@ -738,7 +905,7 @@ mod tests {
             slice("s1", NODE, 2, &["gpu-1"]),
         ];
         let existing = [stored(&d[0], 1, "10")];
-        let p = plan(&existing, &d);
+        let p = plan(&listed(&existing), &d);
         assert_eq!(names(&p.steps), ["update s0", "create s1"]);
         assert_eq!(p.generations[NODE], 2);
     }
@@ -752,7 +919,8 @@ mod tests {
             stored(&slice("b0", "pool-b", 1, &["gpu-9"]), 6, "2"),
             stored(&slice("old0", "pool-old", 1, &["gpu-3"]), 1, "3"),
         ];
-        let p = plan(&existing, &[a, b]);
+        let d = [a, b];
+        let p = plan(&listed(&existing), &d);
         assert_eq!(names(&p.steps), ["update b0", "delete old0"]);
         assert_eq!(p.unchanged, 1);
         assert_eq!(
@@ -771,7 +939,7 @@ mod tests {
             slice("s0", NODE, 2, &["gpu-0"]),
             slice("n1", NODE, 2, &["gpu-1"]),
         ];
-        let p = plan(&existing, &d);
+        let p = plan(&listed(&existing), &d);
         assert_eq!(
             names(&p.steps),
             ["create n1", "delete s0", "create s0", "delete s1"]
@@ -782,7 +950,7 @@ mod tests {
     #[test]
     fn empty_desired_deletes_everything() {
         let existing = [stored(&slice("s0", NODE, 1, &["gpu-0"]), 1, "1")];
-        let p = plan(&existing, &[]);
+        let p = plan(&listed(&existing), &[]);
         assert_eq!(names(&p.steps), ["delete s0"]);
         assert!(p.generations.is_empty());
     }

@@ -10,7 +10,7 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use crate::error::{PublishError, Verb, api_code};
-use crate::plan::{Step, plan, validate_desired};
+use crate::plan::{Listed, Step, plan, validate_desired};
 
 /// How often and how patiently [`SlicePublisher::sync`] retries after a 409
 /// Conflict (a concurrent writer changed or created a slice between the list
@@ -147,12 +147,14 @@ impl SlicePublisher {
     /// Uses the field selector `spec.nodeName=<node>,spec.driver=<driver>` and
     /// filters the answer again, so a server that ignores the selector cannot make
     /// the publisher touch another node's or driver's slices.
-    pub async fn existing(&self) -> Result<Vec<ResourceSlice>, PublishError> {
+    /// Each is reduced to a [`Listed`] as it is read (no copy of the full
+    /// objects is kept).
+    pub async fn existing(&self) -> Result<Vec<Listed>, PublishError> {
         let selector = format!(
             "spec.nodeName={},spec.driver={}",
             self.node_name, self.driver
         );
-        let api = self.api();
+        let api: Api<Listed> = Api::all(self.client.clone());
         let mut params = ListParams::default().fields(&selector).limit(500);
         let mut out = Vec::new();
         loop {
@@ -165,8 +167,7 @@ impl SlicePublisher {
                     source,
                 })?;
             out.extend(list.items.into_iter().filter(|s| {
-                s.spec.driver == self.driver
-                    && s.spec.node_name.as_deref() == Some(self.node_name.as_str())
+                s.driver == self.driver && s.node_name.as_deref() == Some(self.node_name.as_str())
             }));
             match list.metadata.continue_ {
                 Some(token) if !token.is_empty() => params = params.continue_token(&token),
@@ -255,8 +256,9 @@ impl SlicePublisher {
         let api = self.api();
         for step in plan.steps {
             match step {
-                Step::Create(slice) => {
-                    let name = slice.metadata.name.clone().unwrap_or_default();
+                Step::Create(write) => {
+                    let slice = write.to_slice();
+                    let name = write.name().to_owned();
                     match api.create(&PostParams::default(), &slice).await {
                         Ok(stored) => {
                             check_counters_kept(Verb::Create, &slice, &stored)?;
@@ -266,8 +268,9 @@ impl SlicePublisher {
                     }
                     tracing::debug!(node = %self.node_name, slice = %name, generation = slice.spec.pool.generation, "created ResourceSlice");
                 }
-                Step::Update(slice) => {
-                    let name = slice.metadata.name.clone().unwrap_or_default();
+                Step::Update(write) => {
+                    let slice = write.to_slice();
+                    let name = write.name().to_owned();
                     match api.replace(&name, &PostParams::default(), &slice).await {
                         Ok(stored) => {
                             check_counters_kept(Verb::Update, &slice, &stored)?;
@@ -299,7 +302,7 @@ impl SlicePublisher {
         let api = self.api();
         let mut deleted = 0;
         for slice in self.existing().await? {
-            let name = slice.metadata.name.unwrap_or_default();
+            let name = slice.name().to_owned();
             match api.delete(&name, &DeleteParams::default()).await {
                 Ok(_) => deleted += 1,
                 Err(e) if api_code(&e) == Some(404) => {}

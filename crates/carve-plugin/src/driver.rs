@@ -1463,11 +1463,30 @@ impl Driver {
         st: &CheckpointBody,
         _guards: &[(u32, tokio::sync::MutexGuard<'_, GpuRuntime>)],
     ) -> Result<(), ClaimError> {
+        self.check_claims(claim, planned, st)?;
+        // The instance of an MPS unit another claim already shares is expected.
+        let shared = |d: &DeviceRecord| match &d.kind {
+            PreparedKind::Mig { mps: Some(s), .. } => st.claims.values().any(|c| {
+                c.uid != claim.uid
+                    && c.devices.iter().any(|x| {
+                        x.gpu_index == d.gpu_index && x.kind.mps().is_some_and(|o| o.unit == s.unit)
+                    })
+            }),
+            _ => false,
+        };
+        check_live(planned.iter().map(|p| &p.record), live, &self.gpus, shared)
+    }
+
+    /// The devices of `planned` that other claims' devices conflict with.
+    fn check_claims(
+        &self,
+        claim: &ClaimRef,
+        planned: &[Planned],
+        st: &CheckpointBody,
+    ) -> Result<(), ClaimError> {
         for p in planned {
             let d = &p.record;
             let g = d.gpu_index;
-            let gpu = &self.gpus[&g];
-            let instances = live.get(&g).map(Vec::as_slice).unwrap_or_default();
             // Other claims' devices on this GPU.
             for o in st.claims.values().filter(|c| c.uid != claim.uid) {
                 let Some(x) = o
@@ -1498,73 +1517,6 @@ impl Driver {
                         by: format!("by claim {who} {}", holds(k)),
                     },
                 });
-            }
-            // NVML truth.
-            match &d.kind {
-                PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => {
-                    if !instances.is_empty() {
-                        return Err(ClaimError::GpuHasInstances {
-                            device: d.device.clone(),
-                            gpu: g,
-                            instances: instances
-                                .iter()
-                                .map(|i| describe(i, &gpu.profiles))
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                        });
-                    }
-                }
-                PreparedKind::Mig {
-                    profile,
-                    profile_id,
-                    placement,
-                    mps,
-                    ..
-                } => match gpu.policy {
-                    GpuPolicy::Dynamic => {
-                        // The instance of an MPS unit another claim already shares is expected.
-                        let shared = mps.as_ref().is_some_and(|s| {
-                            st.claims.values().any(|c| {
-                                c.uid != claim.uid
-                                    && c.devices.iter().any(|x| {
-                                        x.gpu_index == g
-                                            && x.kind.mps().is_some_and(|o| o.unit == s.unit)
-                                    })
-                            })
-                        });
-                        if let Some(i) = instances.iter().find(|i| {
-                            i.placement.overlaps(*placement)
-                                && !(shared
-                                    && i.placement == *placement
-                                    && i.profile_id == *profile_id)
-                        }) {
-                            return Err(ClaimError::Occupied {
-                                device: d.device.clone(),
-                                gpu: g,
-                                placement: *placement,
-                                by: format!(
-                                    "{} that carve does not know",
-                                    describe(i, &gpu.profiles)
-                                ),
-                            });
-                        }
-                    }
-                    GpuPolicy::Static => {
-                        let exists = instances.iter().any(|i| {
-                            i.placement == *placement
-                                && i.profile_id == *profile_id
-                                && !i.compute_instances.is_empty()
-                        });
-                        if !exists {
-                            return Err(ClaimError::StaticMissing {
-                                device: d.device.clone(),
-                                gpu: g,
-                                profile: profile.clone(),
-                                placement: *placement,
-                            });
-                        }
-                    }
-                },
             }
         }
         Ok(())
@@ -2721,6 +2673,76 @@ fn holds(kind: &PreparedKind) -> &'static str {
         PreparedKind::Mps { .. } => "through MPS",
         PreparedKind::Mig { .. } => "using its MIG devices",
     }
+}
+
+/// The devices `records` against NVML truth (`live`, the GPUs' instances):
+/// a whole GPU must have no instance, a dynamic MIG placement no instance
+/// overlapping it (except the instance of an MPS unit that `shared` says
+/// another claim already shares), a static MIG device its instance.
+fn check_live<'r>(
+    records: impl IntoIterator<Item = &'r DeviceRecord>,
+    live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
+    gpus: &BTreeMap<u32, Arc<Gpu>>,
+    shared: impl Fn(&DeviceRecord) -> bool,
+) -> Result<(), ClaimError> {
+    for d in records {
+        let g = d.gpu_index;
+        let gpu = &gpus[&g];
+        let instances = live.get(&g).map(Vec::as_slice).unwrap_or_default();
+        match &d.kind {
+            PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => {
+                if !instances.is_empty() {
+                    return Err(ClaimError::GpuHasInstances {
+                        device: d.device.clone(),
+                        gpu: g,
+                        instances: instances
+                            .iter()
+                            .map(|i| describe(i, &gpu.profiles))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    });
+                }
+            }
+            PreparedKind::Mig {
+                profile,
+                profile_id,
+                placement,
+                mps,
+                ..
+            } => match gpu.policy {
+                GpuPolicy::Dynamic => {
+                    let shared = mps.is_some() && shared(d);
+                    if let Some(i) = instances.iter().find(|i| {
+                        i.placement.overlaps(*placement)
+                            && !(shared && i.placement == *placement && i.profile_id == *profile_id)
+                    }) {
+                        return Err(ClaimError::Occupied {
+                            device: d.device.clone(),
+                            gpu: g,
+                            placement: *placement,
+                            by: format!("{} that carve does not know", describe(i, &gpu.profiles)),
+                        });
+                    }
+                }
+                GpuPolicy::Static => {
+                    let exists = instances.iter().any(|i| {
+                        i.placement == *placement
+                            && i.profile_id == *profile_id
+                            && !i.compute_instances.is_empty()
+                    });
+                    if !exists {
+                        return Err(ClaimError::StaticMissing {
+                            device: d.device.clone(),
+                            gpu: g,
+                            profile: profile.clone(),
+                            placement: *placement,
+                        });
+                    }
+                }
+            },
+        }
+    }
+    Ok(())
 }
 
 /// Enable MIG where needed, then create or find each device's instances.

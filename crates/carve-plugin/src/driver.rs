@@ -1099,7 +1099,6 @@ impl Driver {
         }
         // Snapshot NVML state of the involved MIG GPUs: instances and MIG mode
         // (read fresh: an administrator or another plugin pod may change it).
-        let b = self.backend.clone();
         let ids: Vec<u32> = gpu_ids
             .iter()
             .copied()
@@ -1110,190 +1109,84 @@ impl Driver {
             .filter(|p| matches!(p.record.kind, PreparedKind::Mps { .. }))
             .map(|p| p.record.gpu_index)
             .collect();
-        // One blocking hop for every read.
-        type Snapshot = (
-            BTreeMap<u32, (Vec<GpuInstanceInfo>, bool)>,
-            BTreeMap<u32, carve_gpu::ComputeMode>,
-        );
-        let (snap, modes): Snapshot = blocking(move || {
-            let snap = ids
-                .into_iter()
-                .map(|g| {
-                    let v = b
-                        .gpu_instances(g)
-                        .map_err(backend_err(format!("list GPU instances of GPU {g}")))?;
-                    let m = b
-                        .mig_mode(g)
-                        .map_err(backend_err(format!("read MIG mode of GPU {g}")))?;
-                    Ok((g, (v, m.current)))
-                })
-                .collect::<Result<_, ClaimError>>()?;
-            let modes = mps_gpus
-                .into_iter()
-                .map(|g| {
-                    b.compute_mode(carve_gpu::ComputeTarget::Gpu(g))
-                        .map(|m| (g, m))
-                        .map_err(backend_err(format!("read compute mode of GPU {g}")))
-                })
-                .collect::<Result<_, ClaimError>>()?;
-            Ok::<_, ClaimError>((snap, modes))
-        })
-        .await
-        .map_err(ClaimError::Task)??;
-        for (g, rt) in &mut guards {
-            if let Some((_, current)) = snap.get(g) {
-                rt.mig_current = *current;
+        // The common case, MIG instances without MPS on GPUs last seen in MIG
+        // mode: one blocking hop reads the GPUs, checks the placements against
+        // them and creates the instances. A GPU found out of MIG mode after
+        // all (changed behind the plugin's back) sends the claim down the
+        // general path below with what was read, before anything is created.
+        let fast = planned
+            .iter()
+            .all(|p| matches!(p.record.kind, PreparedKind::Mig { mps: None, .. }))
+            && guards
+                .iter()
+                .all(|(g, rt)| rt.mig_current && self.gpus[g].info.mig_capable);
+        let mut read: Option<Snapshot> = None;
+        let mut made = None;
+        if fast {
+            {
+                let mut st = self.state.lock().await;
+                self.check_claims(claim, &planned, &st)?;
+                st.claims
+                    .insert(claim.uid.clone(), Self::started(claim, &planned));
             }
-        }
-        let live: BTreeMap<u32, Vec<GpuInstanceInfo>> =
-            snap.into_iter().map(|(g, (v, _))| (g, v)).collect();
-
-        let mut enable_mig: Vec<u32> = Vec::new();
-        let mut disable_mig: Vec<u32> = Vec::new();
-        let shared;
-        {
-            let mut st = self.state.lock().await;
-            self.check_occupancy(claim, &planned, &live, &st, &guards)?;
-            let node_state_before = (
-                st.mig_enabled_by_plugin.clone(),
-                st.compute_mode_set_by_plugin.clone(),
-            );
-            shared = Self::shared_units(&st, &claim.uid);
-            // A whole GPU whose first MPS share this is goes to EXCLUSIVE_PROCESS:
-            // note it before touching it, so a crash in between still restores it.
-            for (g, m) in &modes {
-                let held = st.claims.values().any(|c| {
-                    c.uid != claim.uid
-                        && c.devices.iter().any(|d| {
-                            d.gpu_index == *g && matches!(d.kind, PreparedKind::Mps { .. })
-                        })
-                });
-                if !held && *m != carve_gpu::ComputeMode::ExclusiveProcess {
-                    st.compute_mode_set_by_plugin
-                        .insert(self.gpus[g].info.uuid.clone());
+            let b = self.backend.clone();
+            let retry = self.config.unprepare_retry;
+            let ids = ids.clone();
+            let gpus: BTreeMap<u32, Arc<Gpu>> =
+                ids.iter().map(|g| (*g, self.gpus[g].clone())).collect();
+            let mut records: Vec<DeviceRecord> = planned.iter().map(|p| p.record.clone()).collect();
+            let gauges = self.instance_gauges(gpu_ids.iter().copied());
+            let r = blocking(move || {
+                let snap = match read_gpus(&*b, &ids) {
+                    Ok(s) => s,
+                    Err(e) => return Fast::Refused(e),
+                };
+                if snap.values().any(|(_, mig_on)| !mig_on) {
+                    return Fast::Slow(snap);
                 }
-            }
-            for (g, rt) in &guards {
-                let gpu = &self.gpus[g];
-                let wants_mig = planned.iter().any(|p| {
-                    p.record.gpu_index == *g && matches!(p.record.kind, PreparedKind::Mig { .. })
-                });
-                if wants_mig && !rt.mig_current {
-                    if gpu.policy == GpuPolicy::Static {
-                        // A static GPU with MIG off has no instances to hand out.
-                        let p = planned
-                            .iter()
-                            .find(|p| p.record.gpu_index == *g)
-                            .map(|p| p.record.clone());
-                        if let Some(DeviceRecord {
-                            device,
-                            kind:
-                                PreparedKind::Mig {
-                                    profile, placement, ..
-                                },
-                            ..
-                        }) = p
-                        {
-                            return Err(ClaimError::StaticMissing {
-                                device,
-                                gpu: *g,
-                                profile,
-                                placement,
-                            });
-                        }
-                    }
-                    if gpu.info.architecture.mig_mode_needs_reset() {
-                        return Err(ClaimError::MigPending { gpu: *g });
-                    }
-                    enable_mig.push(*g);
-                    st.mig_enabled_by_plugin.insert(gpu.info.uuid.clone());
+                let live: BTreeMap<u32, Vec<GpuInstanceInfo>> =
+                    snap.into_iter().map(|(g, (v, _))| (g, v)).collect();
+                if let Err(e) = check_live(&records, &live, &gpus, |_| false) {
+                    return Fast::Refused(e);
                 }
-                // A whole GPU (exclusive or shared) runs CUDA work only with
-                // MIG mode off: turn it off where that needs no reset (no
-                // instance exists: checked above); the next MIG claim turns it
-                // on again.
-                let whole = planned.iter().find(|p| {
-                    p.record.gpu_index == *g
-                        && matches!(
-                            p.record.kind,
-                            PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. }
-                        )
-                });
-                if let Some(w) = whole
-                    && rt.mig_current
-                {
-                    let why = if gpu.policy == GpuPolicy::Static {
-                        Some("its MIG policy is static")
-                    } else if gpu.info.architecture.mig_mode_needs_reset() {
-                        Some("leaving MIG mode needs a GPU reset on this architecture")
-                    } else {
-                        None
-                    };
-                    if let Some(why) = why {
-                        return Err(ClaimError::WholeInMigMode {
-                            device: w.record.device.clone(),
-                            gpu: *g,
-                            why,
-                        });
-                    }
-                    disable_mig.push(*g);
-                    st.mig_enabled_by_plugin.remove(&gpu.info.uuid);
-                }
-            }
-            st.claims.insert(
-                claim.uid.clone(),
-                ClaimRecord {
-                    uid: claim.uid.clone(),
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                    state: ClaimState::PrepareStarted,
-                    cdi_spec: None,
-                    devices: planned.iter().map(|p| p.record.clone()).collect(),
-                },
-            );
-            // PrepareStarted is persisted only when this prepare is about to
-            // change node state that outlives the claim (MIG mode, compute
-            // mode): recovery must know to put that back. Anything else a
-            // crash before PrepareCompleted leaves is found without it: GPU
-            // instances no completed claim owns are swept, CDI specs of
-            // unknown claims removed, MPS shares of unknown claims dropped.
-            let intent = node_state_before
-                != (
-                    st.mig_enabled_by_plugin.clone(),
-                    st.compute_mode_set_by_plugin.clone(),
+                let r = make_devices(
+                    &*b,
+                    retry,
+                    (&[], &[]),
+                    &mut records,
+                    &live,
+                    &BTreeMap::new(),
                 );
-            if intent && let Err(e) = self.persist(&st).await {
-                st.claims.remove(&claim.uid);
-                let (m, c) = node_state_before;
-                st.mig_enabled_by_plugin = m;
-                st.compute_mode_set_by_plugin = c;
-                return Err(e.into());
+                if let Some(g) = &gauges {
+                    g.run(&*b);
+                }
+                Fast::Done(r, records)
+            })
+            .await;
+            match r {
+                Ok(Fast::Done(r, records)) => made = Some((r, records)),
+                Ok(Fast::Slow(snap)) => {
+                    // The general path checks and records the claim itself.
+                    self.state.lock().await.claims.remove(&claim.uid);
+                    read = Some((snap, BTreeMap::new()));
+                }
+                Ok(Fast::Refused(e)) => {
+                    self.state.lock().await.claims.remove(&claim.uid);
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.state.lock().await.claims.remove(&claim.uid);
+                    return Err(ClaimError::Task(e));
+                }
             }
         }
-
-        // Hardware.
-        let b = self.backend.clone();
-        let retry = self.config.unprepare_retry;
-        let mut records: Vec<DeviceRecord> = planned.into_iter().map(|p| p.record).collect();
-        let live2 = live.clone();
-        let shared2 = shared.clone();
-        // The gauges are read in the same hop (an undo sets them again).
-        let gauges = self.instance_gauges(gpu_ids.iter().copied());
-        let hw = blocking(move || {
-            let r = make_devices(
-                &*b,
-                retry,
-                (&enable_mig, &disable_mig),
-                &mut records,
-                &live2,
-                &shared2,
-            );
-            if let Some(g) = &gauges {
-                g.run(&*b);
+        let (hw, shared, modes) = match made {
+            Some(made) => (Ok(made), BTreeMap::new(), BTreeMap::new()),
+            None => {
+                self.general_path(claim, planned, &mut guards, (ids, mps_gpus, &gpu_ids), read)
+                    .await?
             }
-            (r, records)
-        })
-        .await;
+        };
         let keep: BTreeSet<String> = shared.keys().cloned().collect();
         let (hw, records) = match hw {
             Ok(x) => x,
@@ -1407,6 +1300,187 @@ impl Driver {
         Ok(Self::prepared_devices(&rec))
     }
 
+    /// Prepare's general path, from reading the GPUs (unless `read` holds
+    /// what the one-hop path read) to making the devices: checks, MIG mode
+    /// and compute mode decisions, the PrepareStarted intent where they
+    /// change node state. Returns the hardware step's outcome, the shared MPS
+    /// units and the compute modes read.
+    async fn general_path(
+        &self,
+        claim: &ClaimRef,
+        planned: Vec<Planned>,
+        guards: &mut [(u32, tokio::sync::MutexGuard<'_, GpuRuntime>)],
+        (ids, mps_gpus, gpu_ids): (Vec<u32>, Vec<u32>, &BTreeSet<u32>),
+        read: Option<Snapshot>,
+    ) -> Result<(Result<Made, String>, BTreeMap<String, DeviceRecord>, Modes), ClaimError> {
+        let b = self.backend.clone();
+        // One blocking hop for every read.
+        let (snap, modes): Snapshot = if let Some(r) = read {
+            r
+        } else {
+            blocking(move || {
+                let snap = read_gpus(&*b, &ids)?;
+                let modes = mps_gpus
+                    .into_iter()
+                    .map(|g| {
+                        b.compute_mode(carve_gpu::ComputeTarget::Gpu(g))
+                            .map(|m| (g, m))
+                            .map_err(backend_err(format!("read compute mode of GPU {g}")))
+                    })
+                    .collect::<Result<_, ClaimError>>()?;
+                Ok::<_, ClaimError>((snap, modes))
+            })
+            .await
+            .map_err(ClaimError::Task)??
+        };
+        for (g, rt) in guards.iter_mut() {
+            if let Some((_, current)) = snap.get(g) {
+                rt.mig_current = *current;
+            }
+        }
+        let live: BTreeMap<u32, Vec<GpuInstanceInfo>> =
+            snap.into_iter().map(|(g, (v, _))| (g, v)).collect();
+
+        let mut enable_mig: Vec<u32> = Vec::new();
+        let mut disable_mig: Vec<u32> = Vec::new();
+        let shared;
+        {
+            let mut st = self.state.lock().await;
+            self.check_occupancy(claim, &planned, &live, &st, guards)?;
+            let node_state_before = (
+                st.mig_enabled_by_plugin.clone(),
+                st.compute_mode_set_by_plugin.clone(),
+            );
+            shared = Self::shared_units(&st, &claim.uid);
+            // A whole GPU whose first MPS share this is goes to EXCLUSIVE_PROCESS:
+            // note it before touching it, so a crash in between still restores it.
+            for (g, m) in &modes {
+                let held = st.claims.values().any(|c| {
+                    c.uid != claim.uid
+                        && c.devices.iter().any(|d| {
+                            d.gpu_index == *g && matches!(d.kind, PreparedKind::Mps { .. })
+                        })
+                });
+                if !held && *m != carve_gpu::ComputeMode::ExclusiveProcess {
+                    st.compute_mode_set_by_plugin
+                        .insert(self.gpus[g].info.uuid.clone());
+                }
+            }
+            for (g, rt) in guards.iter() {
+                let gpu = &self.gpus[g];
+                let wants_mig = planned.iter().any(|p| {
+                    p.record.gpu_index == *g && matches!(p.record.kind, PreparedKind::Mig { .. })
+                });
+                if wants_mig && !rt.mig_current {
+                    if gpu.policy == GpuPolicy::Static {
+                        // A static GPU with MIG off has no instances to hand out.
+                        let p = planned
+                            .iter()
+                            .find(|p| p.record.gpu_index == *g)
+                            .map(|p| p.record.clone());
+                        if let Some(DeviceRecord {
+                            device,
+                            kind:
+                                PreparedKind::Mig {
+                                    profile, placement, ..
+                                },
+                            ..
+                        }) = p
+                        {
+                            return Err(ClaimError::StaticMissing {
+                                device,
+                                gpu: *g,
+                                profile,
+                                placement,
+                            });
+                        }
+                    }
+                    if gpu.info.architecture.mig_mode_needs_reset() {
+                        return Err(ClaimError::MigPending { gpu: *g });
+                    }
+                    enable_mig.push(*g);
+                    st.mig_enabled_by_plugin.insert(gpu.info.uuid.clone());
+                }
+                // A whole GPU (exclusive or shared) runs CUDA work only with
+                // MIG mode off: turn it off where that needs no reset (no
+                // instance exists: checked above); the next MIG claim turns it
+                // on again.
+                let whole = planned.iter().find(|p| {
+                    p.record.gpu_index == *g
+                        && matches!(
+                            p.record.kind,
+                            PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. }
+                        )
+                });
+                if let Some(w) = whole
+                    && rt.mig_current
+                {
+                    let why = if gpu.policy == GpuPolicy::Static {
+                        Some("its MIG policy is static")
+                    } else if gpu.info.architecture.mig_mode_needs_reset() {
+                        Some("leaving MIG mode needs a GPU reset on this architecture")
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        return Err(ClaimError::WholeInMigMode {
+                            device: w.record.device.clone(),
+                            gpu: *g,
+                            why,
+                        });
+                    }
+                    disable_mig.push(*g);
+                    st.mig_enabled_by_plugin.remove(&gpu.info.uuid);
+                }
+            }
+            st.claims
+                .insert(claim.uid.clone(), Self::started(claim, &planned));
+            // PrepareStarted is persisted only when this prepare is about to
+            // change node state that outlives the claim (MIG mode, compute
+            // mode): recovery must know to put that back. Anything else a
+            // crash before PrepareCompleted leaves is found without it: GPU
+            // instances no completed claim owns are swept, CDI specs of
+            // unknown claims removed, MPS shares of unknown claims dropped.
+            let intent = node_state_before
+                != (
+                    st.mig_enabled_by_plugin.clone(),
+                    st.compute_mode_set_by_plugin.clone(),
+                );
+            if intent && let Err(e) = self.persist(&st).await {
+                st.claims.remove(&claim.uid);
+                let (m, c) = node_state_before;
+                st.mig_enabled_by_plugin = m;
+                st.compute_mode_set_by_plugin = c;
+                return Err(e.into());
+            }
+        }
+
+        // Hardware.
+        let b = self.backend.clone();
+        let retry = self.config.unprepare_retry;
+        let mut records: Vec<DeviceRecord> = planned.into_iter().map(|p| p.record).collect();
+        let live2 = live.clone();
+        let shared2 = shared.clone();
+        // The gauges are read in the same hop (an undo sets them again).
+        let gauges = self.instance_gauges(gpu_ids.iter().copied());
+        let hw = blocking(move || {
+            let r = make_devices(
+                &*b,
+                retry,
+                (&enable_mig, &disable_mig),
+                &mut records,
+                &live2,
+                &shared2,
+            );
+            if let Some(g) = &gauges {
+                g.run(&*b);
+            }
+            (r, records)
+        })
+        .await;
+        Ok((hw, shared, modes))
+    }
+
     /// Roll back a prepare after the hardware step: detach MPS shares, destroy
     /// the instances this claim made (not those shared with other claims'
     /// MPS shares in `keep`), forget the claim. Errors are logged: the
@@ -1475,6 +1549,18 @@ impl Driver {
             _ => false,
         };
         check_live(planned.iter().map(|p| &p.record), live, &self.gpus, shared)
+    }
+
+    /// The in-memory record of a claim being prepared.
+    fn started(claim: &ClaimRef, planned: &[Planned]) -> ClaimRecord {
+        ClaimRecord {
+            uid: claim.uid.clone(),
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            state: ClaimState::PrepareStarted,
+            cdi_spec: None,
+            devices: planned.iter().map(|p| p.record.clone()).collect(),
+        }
     }
 
     /// The devices of `planned` that other claims' devices conflict with.
@@ -2673,6 +2759,45 @@ fn holds(kind: &PreparedKind) -> &'static str {
         PreparedKind::Mps { .. } => "through MPS",
         PreparedKind::Mig { .. } => "using its MIG devices",
     }
+}
+
+/// Instances and current MIG mode of GPUs, by index.
+type GpuReads = BTreeMap<u32, (Vec<GpuInstanceInfo>, bool)>;
+
+/// Compute modes of GPUs, by index.
+type Modes = BTreeMap<u32, carve_gpu::ComputeMode>;
+
+/// What prepare read before deciding: the GPUs, and the compute modes of the
+/// GPUs that MPS shares are on.
+type Snapshot = (GpuReads, Modes);
+
+/// The hardware step's outcome (GPUs whose MIG mode it turned on, and off)
+/// and the records it filled in.
+type Made = (Result<(Vec<u32>, Vec<u32>), ClaimError>, Vec<DeviceRecord>);
+
+/// Read the instances and the MIG mode of `ids`. Blocking.
+fn read_gpus(b: &dyn GpuBackend, ids: &[u32]) -> Result<GpuReads, ClaimError> {
+    ids.iter()
+        .map(|&g| {
+            let v = b
+                .gpu_instances(g)
+                .map_err(backend_err(format!("list GPU instances of GPU {g}")))?;
+            let m = b
+                .mig_mode(g)
+                .map_err(backend_err(format!("read MIG mode of GPU {g}")))?;
+            Ok((g, (v, m.current)))
+        })
+        .collect()
+}
+
+/// How prepare's one-hop path ended.
+enum Fast {
+    /// Instances made (or `make_devices`' error, after its own rollback).
+    Done(Result<(Vec<u32>, Vec<u32>), ClaimError>, Vec<DeviceRecord>),
+    /// A GPU is out of MIG mode: the general path decides, with these reads.
+    Slow(GpuReads),
+    /// Refused before anything was made (a read failed, a placement is taken).
+    Refused(ClaimError),
 }
 
 /// The devices `records` against NVML truth (`live`, the GPUs' instances):

@@ -126,13 +126,7 @@ pub(crate) fn atomic_write(
         maybe_abort(kind, fault);
         std::fs::rename(&tmp, path)?;
         if durable {
-            // The new name reaches the disk only with its directory.
-            synced += timed(|| std::fs::File::open(dir)?.sync_all())?;
-            if kind == FileKind::Checkpoint {
-                let ns = u64::try_from(synced.as_nanos()).unwrap_or(u64::MAX);
-                SYNC_NANOS.fetch_add(ns, Ordering::Relaxed);
-                SYNCS.fetch_add(1, Ordering::Relaxed);
-            }
+            sync_dir(dir, kind, synced)?;
         }
         Ok(())
     })();
@@ -199,12 +193,20 @@ pub(crate) fn exchange_write(
         std::fs::rename(&spare, path)?;
     }
     if durable {
-        synced += timed(|| std::fs::File::open(dir)?.sync_all())?;
-        if kind == FileKind::Checkpoint {
-            let ns = u64::try_from(synced.as_nanos()).unwrap_or(u64::MAX);
-            SYNC_NANOS.fetch_add(ns, Ordering::Relaxed);
-            SYNCS.fetch_add(1, Ordering::Relaxed);
-        }
+        sync_dir(dir, kind, synced)?;
+    }
+    Ok(())
+}
+
+/// The end of a durable write, after its rename or exchange: fsync the
+/// directory (the new name reaches the disk only with it), and count a
+/// checkpoint's fsyncs with their time (`file_sync` spent on the file's).
+fn sync_dir(dir: &Path, kind: FileKind, file_sync: Duration) -> std::io::Result<()> {
+    let synced = file_sync + timed(|| std::fs::File::open(dir)?.sync_all())?;
+    if kind == FileKind::Checkpoint {
+        let ns = u64::try_from(synced.as_nanos()).unwrap_or(u64::MAX);
+        SYNC_NANOS.fetch_add(ns, Ordering::Relaxed);
+        SYNCS.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
 }

@@ -7,37 +7,44 @@
 
 mod common;
 
+use carve_apiserver::ApiServer;
 use carve_model::{GpuModel, Placement};
-use carve_plugin::Checkpoint;
+use carve_plugin::{Checkpoint, ClaimRef, Driver};
 use common::*;
 use nvidia_ml_sim::GpuEntry;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gpu_taken_out_of_mig_mode_behind_the_plugins_back_goes_the_general_way() {
+/// A claim `name` (uid `u-<name>`) for one device of this node.
+fn claim(api: &ApiServer, name: &str, device: &str) -> ClaimRef {
+    put_claim(
+        api,
+        name,
+        &format!("u-{name}"),
+        &[("r", device)],
+        serde_json::json!([]),
+    )
+}
+
+/// One H100 in MIG mode and a started driver that has prepared claim
+/// `warm` (1g.10gb at 0) on it: the driver has seen the GPU in MIG mode.
+async fn warmed() -> (Node, ApiServer, Driver) {
     let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
     let api = api().await;
     let driver = started(&node, node.config.clone(), &api).await;
-    let b = node.backend();
-    let warm = put_claim(
-        &api,
-        "warm",
-        "u-warm",
-        &[("r", "gpu-0-mig-1g10gb-0")],
-        serde_json::json!([]),
-    );
+    let warm = claim(&api, "warm", "gpu-0-mig-1g10gb-0");
     driver.prepare_one(&warm).await.unwrap();
+    (node, api, driver)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_taken_out_of_mig_mode_behind_the_plugins_back_goes_the_general_way() {
+    let (node, api, driver) = warmed().await;
+    let b = node.backend();
     driver.unprepare_one("u-warm").await.unwrap();
     assert!(b.mig_mode(0).unwrap().current);
 
     // An administrator turns MIG mode off.
     b.set_mig_mode(0, false).unwrap();
-    let c = put_claim(
-        &api,
-        "c",
-        "u-c",
-        &[("r", "gpu-0-mig-1g10gb-4")],
-        serde_json::json!([]),
-    );
+    let c = claim(&api, "c", "gpu-0-mig-1g10gb-4");
     driver.prepare_one(&c).await.unwrap();
     assert!(b.mig_mode(0).unwrap().current, "MIG mode turned on again");
     let gis = live(&*b, 0);
@@ -59,18 +66,8 @@ async fn a_gpu_taken_out_of_mig_mode_behind_the_plugins_back_goes_the_general_wa
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_placement_taken_behind_the_plugins_back_is_refused_and_nothing_recorded() {
-    let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
-    let api = api().await;
-    let driver = started(&node, node.config.clone(), &api).await;
+    let (node, api, driver) = warmed().await;
     let b = node.backend();
-    let warm = put_claim(
-        &api,
-        "warm",
-        "u-warm",
-        &[("r", "gpu-0-mig-1g10gb-0")],
-        serde_json::json!([]),
-    );
-    driver.prepare_one(&warm).await.unwrap();
 
     let one_g = GpuModel::find("h100-80gb")
         .unwrap()
@@ -80,13 +77,7 @@ async fn a_placement_taken_behind_the_plugins_back_is_refused_and_nothing_record
         .id;
     b.create_gpu_instance(0, one_g, Placement::new(5, 1))
         .unwrap();
-    let c = put_claim(
-        &api,
-        "c",
-        "u-c",
-        &[("r", "gpu-0-mig-2g20gb-4")],
-        serde_json::json!([]),
-    );
+    let c = claim(&api, "c", "gpu-0-mig-2g20gb-4");
     let e = driver.prepare_one(&c).await.unwrap_err().to_string();
     assert!(
         e.contains("placement 4:2 on GPU 0 is occupied by GPU instance")
@@ -108,13 +99,7 @@ async fn a_placement_taken_behind_the_plugins_back_is_refused_and_nothing_record
     assert_eq!(file.body.claims.keys().collect::<Vec<_>>(), ["u-warm"]);
 
     // Another claim on the same GPU still goes through.
-    let d = put_claim(
-        &api,
-        "d",
-        "u-d",
-        &[("r", "gpu-0-mig-1g10gb-6")],
-        serde_json::json!([]),
-    );
+    let d = claim(&api, "d", "gpu-0-mig-1g10gb-6");
     driver.prepare_one(&d).await.unwrap();
     assert_eq!(live(&*b, 0).len(), 3);
 }

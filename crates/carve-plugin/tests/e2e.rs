@@ -743,13 +743,7 @@ async fn status_write_is_off_prepares_path_but_lands_before_unprepare_and_stop()
             .get(Resource::ResourceClaims, Some("default"), name)
             .unwrap()
     };
-    let c = put_claim(
-        &api,
-        "c",
-        "u-1",
-        &[("r", "gpu-0-mig-1g10gb-0")],
-        serde_json::json!([]),
-    );
+    let c = put_device_claim(&api, "c", "u-1", "gpu-0-mig-1g10gb-0");
     api.inject(slow());
     prepare_ok(&p.kubelet, &c).await;
     assert!(
@@ -765,13 +759,7 @@ async fn status_write_is_off_prepares_path_but_lands_before_unprepare_and_stop()
         "unprepare returned before the status write landed"
     );
 
-    let d = put_claim(
-        &api,
-        "d",
-        "u-2",
-        &[("r", "gpu-0-mig-1g10gb-1")],
-        serde_json::json!([]),
-    );
+    let d = put_device_claim(&api, "d", "u-2", "gpu-0-mig-1g10gb-1");
     api.inject(slow());
     prepare_ok(&p.kubelet, &d).await;
     assert!(stored("d")["status"].get("devices").is_none());

@@ -79,13 +79,7 @@ async fn a_prepare_waits_while_another_plugin_holds_the_host_lock() {
         .open(&lock_path)
         .unwrap();
     held.lock().unwrap();
-    let c = put_claim(
-        &api,
-        "c",
-        "u-1",
-        &[("r", "gpu-0-mig-1g10gb-0")],
-        serde_json::json!([]),
-    );
+    let c = put_device_claim(&api, "c", "u-1", "gpu-0-mig-1g10gb-0");
     let d = driver.clone();
     let c2 = c.clone();
     let prep = tokio::spawn(async move { d.prepare_one(&c2).await });

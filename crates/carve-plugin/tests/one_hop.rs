@@ -9,20 +9,9 @@ mod common;
 
 use carve_apiserver::ApiServer;
 use carve_model::{GpuModel, Placement};
-use carve_plugin::{Checkpoint, ClaimRef, Driver};
+use carve_plugin::{Checkpoint, Driver};
 use common::*;
 use nvidia_ml_sim::GpuEntry;
-
-/// A claim `name` (uid `u-<name>`) for one device of this node.
-fn claim(api: &ApiServer, name: &str, device: &str) -> ClaimRef {
-    put_claim(
-        api,
-        name,
-        &format!("u-{name}"),
-        &[("r", device)],
-        serde_json::json!([]),
-    )
-}
 
 /// One H100 in MIG mode and a started driver that has prepared claim
 /// `warm` (1g.10gb at 0) on it: the driver has seen the GPU in MIG mode.
@@ -30,7 +19,7 @@ async fn warmed() -> (Node, ApiServer, Driver) {
     let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
     let api = api().await;
     let driver = started(&node, node.config.clone(), &api).await;
-    let warm = claim(&api, "warm", "gpu-0-mig-1g10gb-0");
+    let warm = put_device_claim(&api, "warm", "u-warm", "gpu-0-mig-1g10gb-0");
     driver.prepare_one(&warm).await.unwrap();
     (node, api, driver)
 }
@@ -44,7 +33,7 @@ async fn a_gpu_taken_out_of_mig_mode_behind_the_plugins_back_goes_the_general_wa
 
     // An administrator turns MIG mode off.
     b.set_mig_mode(0, false).unwrap();
-    let c = claim(&api, "c", "gpu-0-mig-1g10gb-4");
+    let c = put_device_claim(&api, "c", "u-c", "gpu-0-mig-1g10gb-4");
     driver.prepare_one(&c).await.unwrap();
     assert!(b.mig_mode(0).unwrap().current, "MIG mode turned on again");
     let gis = live(&*b, 0);
@@ -77,7 +66,7 @@ async fn a_placement_taken_behind_the_plugins_back_is_refused_and_nothing_record
         .id;
     b.create_gpu_instance(0, one_g, Placement::new(5, 1))
         .unwrap();
-    let c = claim(&api, "c", "gpu-0-mig-2g20gb-4");
+    let c = put_device_claim(&api, "c", "u-c", "gpu-0-mig-2g20gb-4");
     let e = driver.prepare_one(&c).await.unwrap_err().to_string();
     assert!(
         e.contains("placement 4:2 on GPU 0 is occupied by GPU instance")
@@ -99,7 +88,7 @@ async fn a_placement_taken_behind_the_plugins_back_is_refused_and_nothing_record
     assert_eq!(file.body.claims.keys().collect::<Vec<_>>(), ["u-warm"]);
 
     // Another claim on the same GPU still goes through.
-    let d = claim(&api, "d", "gpu-0-mig-1g10gb-6");
+    let d = put_device_claim(&api, "d", "u-d", "gpu-0-mig-1g10gb-6");
     driver.prepare_one(&d).await.unwrap();
     assert_eq!(live(&*b, 0).len(), 3);
 }

@@ -166,6 +166,12 @@ pub fn put_claim(
     put_claim_pool(api, name, uid, results, NODE, config)
 }
 
+/// Store an allocated ResourceClaim of one request `r` for `device` on this
+/// node's pool, without config.
+pub fn put_device_claim(api: &ApiServer, name: &str, uid: &str, device: &str) -> ClaimRef {
+    put_claim(api, name, uid, &[("r", device)], serde_json::json!([]))
+}
+
 pub fn put_claim_pool(
     api: &ApiServer,
     name: &str,

@@ -271,14 +271,12 @@ struct BenchNode {
 const NODE: &str = "bench-node";
 
 impl BenchNode {
-    fn new(
-        lib_src: &Path,
-        model: &str,
-        gpus: u32,
-        files_dir: &Path,
-        cdi_dir: &Path,
-        pod_uid: bool,
-    ) -> anyhow::Result<Self> {
+    /// The node the arguments `a` describe: `a.gpus` GPUs of `model`, plugin
+    /// files under `a.files_dir`, CDI specs under `a.cdi_dir()`, a pod UID
+    /// unless `a.without_pod_uid`.
+    fn new(a: &PrepareBench, model: &GpuModel, lib_src: &Path) -> anyhow::Result<Self> {
+        let (model, gpus, files_dir, cdi_dir) = (model.key, a.gpus, &a.files_dir, &a.cdi_dir());
+        let pod_uid = !a.without_pod_uid;
         // Short base path: socket paths must fit in sockaddr_un (108 bytes).
         let dir = tempfile::Builder::new()
             .prefix("cbp")
@@ -505,14 +503,7 @@ pub(crate) async fn in_process(
     lib: &Path,
     stand_in: &tokio::runtime::Handle,
 ) -> anyhow::Result<InProcess> {
-    let node = BenchNode::new(
-        lib,
-        model.key,
-        a.gpus,
-        &a.files_dir,
-        &a.cdi_dir(),
-        !a.without_pod_uid,
-    )?;
+    let node = BenchNode::new(a, model, lib)?;
     // The stand-in serves from a thread of its own, as an API server elsewhere
     // would: every response wakes the driver's thread.
     let api = stand_in
@@ -889,14 +880,7 @@ async fn plugin_process(
         ..ProcessFigures::default()
     };
 
-    let node = BenchNode::new(
-        lib,
-        model.key,
-        a.gpus,
-        &a.files_dir,
-        &a.cdi_dir(),
-        !a.without_pod_uid,
-    )?;
+    let node = BenchNode::new(a, model, lib)?;
     let api = ApiServer::start(Options::default()).await?;
     let store = api.store();
     let reg = node.registration_socket()?;

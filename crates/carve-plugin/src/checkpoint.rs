@@ -316,8 +316,32 @@ pub(crate) fn store_bytes(
 }
 
 /// The checkpoint file's bytes; `Ok(None)` when it does not exist.
+///
+/// Read without updating its access time where the process may (it owns
+/// the file, or runs as root as the chart does): the file changes with every
+/// claim, so under `relatime` each read would otherwise be a journalled
+/// inode update.
 pub(crate) fn read_bytes(path: &Path) -> Result<Option<Vec<u8>>, CheckpointError> {
-    match std::fs::read(path) {
+    let read = || -> std::io::Result<Vec<u8>> {
+        use std::io::Read as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let open = |flags| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(path)
+        };
+        let mut f = match open(nix::libc::O_NOATIME) {
+            Err(e) if e.raw_os_error() == Some(nix::libc::EPERM) => open(0)?,
+            r => r?,
+        };
+        // Sized from the file's length, as `std::fs::read` does.
+        let len = f.metadata().map_or(0, |m| m.len());
+        let mut b = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        f.read_to_end(&mut b)?;
+        Ok(b)
+    };
+    match read() {
         Ok(b) => Ok(Some(b)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(CheckpointError::Io {

@@ -811,14 +811,24 @@ impl Driver {
         // Opening, an uncontended lock and rereading a file of a few KB are
         // a handful of syscalls: done here. Only a lock held by the other
         // plugin pod of a rolling update is waited for, on a blocking thread.
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)?;
+        let open = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+        };
+        // The directory is made when the lock file cannot be (the first
+        // time, or after an administrator removed it), not on every call.
+        let f = match open() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                open()?
+            }
+            r => r?,
+        };
         let (file, loaded) = match f.try_lock() {
             Ok(()) => reread(f),
             Err(std::fs::TryLockError::WouldBlock) => blocking(move || -> std::io::Result<_> {

@@ -181,8 +181,13 @@ pub(crate) fn exchange_write(
         }
         r => r?,
     };
+    // Truncated only when the new content is shorter: on ext4 every
+    // ftruncate is a journalled inode change, even to the same size.
+    let old_len = f.metadata()?.len();
     f.write_all_at(bytes, 0)?;
-    f.set_len(bytes.len() as u64)?;
+    if old_len > bytes.len() as u64 {
+        f.set_len(bytes.len() as u64)?;
+    }
     let mut synced = Duration::ZERO;
     if durable {
         synced += timed(|| f.sync_all())?;
@@ -272,6 +277,13 @@ mod tests {
         w(b"four");
         assert_eq!((ino(&p), ino(&spare_path(&p))), (b, a));
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 2);
+        // Content as long as the spare's, and longer: written over it whole.
+        w(b"5");
+        assert_eq!(std::fs::read(&p).unwrap(), b"5");
+        w(b"six!");
+        assert_eq!(std::fs::read(&p).unwrap(), b"six!");
+        w(b"seven, longest");
+        assert_eq!(std::fs::read(&p).unwrap(), b"seven, longest");
     }
 
     #[test]

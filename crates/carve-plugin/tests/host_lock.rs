@@ -125,3 +125,34 @@ async fn a_burst_of_prepares_keeps_few_api_connections() {
         "{opened} connections for 32 claims"
     );
 }
+
+/// The host lock's directory is made when the lock file cannot be opened
+/// (not on every operation): removed behind the plugin's back, it is made
+/// again, and the claim that follows is prepared and recorded there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_checkpoint_directory_is_made_again() {
+    let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
+    let mut cfg = node.config.clone();
+    cfg.pod_uid = Some("pod-1".into());
+    let dir = cfg.checkpoint_path.parent().unwrap().to_path_buf();
+    let api = api().await;
+    let driver = started(&node, cfg.clone(), &api).await;
+    let a = put_device_claim(&api, "a", "u-a", "gpu-0-mig-1g10gb-0");
+    driver.prepare_one(&a).await.unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let b = put_device_claim(&api, "b", "u-b", "gpu-0-mig-1g10gb-1");
+    driver
+        .prepare_one(&b)
+        .await
+        .unwrap_or_else(|e| panic!("{b}: {e}"));
+    let mut lock = cfg.checkpoint_path.clone().into_os_string();
+    lock.push(".lock");
+    assert!(std::path::Path::new(&lock).is_file());
+    // The in-memory state was kept: both claims are in the new checkpoint.
+    let text = std::fs::read_to_string(&cfg.checkpoint_path).unwrap();
+    assert!(
+        text.contains("\"u-a\"") && text.contains("\"u-b\""),
+        "{text}"
+    );
+    assert_eq!(node.backend().gpu_instances(0).unwrap().len(), 2);
+}

@@ -14,11 +14,23 @@
 //! "Overhead" is a call's wall time minus the time spent inside `GpuBackend`
 //! calls (NVML and its Rust wrapper). It still contains the checkpoint fsyncs
 //! (the disk's time, printed separately and subtracted in a second row) and
-//! the claim GET of a prepare to a stand-in that shares this process and its
-//! runtime (timed alone in its own row). The status PATCH that follows a
-//! prepare runs in the background (the kubelet does not wait for it); the
-//! claim's unprepare waits for it if it is still in flight, so in this
-//! back-to-back cycle whatever is left of it counts in unprepare's overhead. The plugin fsyncs a checkpoint write only when it records (or
+//! the claim GET of a prepare to a stand-in in this process, on a thread of
+//! its own (timed alone in its own row). The status PATCH that follows a
+//! prepare runs in the background (the kubelet does not wait for it). An
+//! unprepare that comes while it is still in flight waits for it; on a node
+//! the pod's run lies between the two, so the benchmark lets the write finish
+//! before timing the claim's unprepare (the PATCH alone has its own row).
+//!
+//! Wall time on a shared machine moves with whatever else runs (a preempted
+//! thread, a late wake-up). Next to it, each call's CPU time: what this
+//! process's threads but the stand-in's used during the call (the driver on
+//! the runtime thread, its blocking threads, the kube client), minus the CPU
+//! time inside NVML calls. It leaves out waiting, so a busy machine moves it less than
+//! the wall time (though still some: shared caches and cores). It needs
+//! per-thread CPU time from the kernel (`schedstat`); the row says so where
+//! there is none.
+//!
+//! The plugin fsyncs a checkpoint write only when it records (or
 //! replaces a file that records) a GPU whose MIG mode the plugin enabled, the
 //! one state in it that a reboot does not undo (see `carve_plugin`'s
 //! checkpoint module): the simulated GPUs start in MIG mode, so the benchmark
@@ -71,6 +83,9 @@ const POD_UID: &str = "bench-pod";
 const MALLOC_ARENA_MAX: &str = "1";
 /// API-server round trips timed alone per kind.
 const API_SAMPLES: usize = 200;
+/// Name of the stand-in's threads (the API server's work, left out of the
+/// driver's CPU time).
+const STAND_IN_THREAD: &str = "api-stand-in";
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PrepareBench {
@@ -116,11 +131,13 @@ impl PrepareBench {
 }
 
 /// A [`GpuBackend`] that delegates every call to the real backend and sums the
-/// time spent inside it: measurement instrumentation, not a stand-in.
+/// time spent inside it (wall time, and the calling thread's CPU time):
+/// measurement instrumentation, not a stand-in.
 #[derive(Debug)]
 pub(crate) struct TimedBackend {
     inner: Arc<dyn GpuBackend>,
     nanos: AtomicU64,
+    cpu_nanos: AtomicU64,
     calls: AtomicU64,
     gi_created: AtomicU64,
     gi_destroyed: AtomicU64,
@@ -132,6 +149,9 @@ pub(crate) struct TimedBackend {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Counts {
     pub nanos: u64,
+    /// CPU time of the calling threads inside the calls (0 where the
+    /// thread CPU clock is unavailable).
+    pub cpu_nanos: u64,
     pub calls: u64,
     pub gi_created: u64,
     pub gi_destroyed: u64,
@@ -144,6 +164,7 @@ impl TimedBackend {
         Self {
             inner,
             nanos: AtomicU64::new(0),
+            cpu_nanos: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             gi_created: AtomicU64::new(0),
             gi_destroyed: AtomicU64::new(0),
@@ -155,6 +176,7 @@ impl TimedBackend {
     pub(crate) fn counts(&self) -> Counts {
         Counts {
             nanos: self.nanos.load(Ordering::SeqCst),
+            cpu_nanos: self.cpu_nanos.load(Ordering::SeqCst),
             calls: self.calls.load(Ordering::SeqCst),
             gi_created: self.gi_created.load(Ordering::SeqCst),
             gi_destroyed: self.gi_destroyed.load(Ordering::SeqCst),
@@ -164,9 +186,15 @@ impl TimedBackend {
     }
 
     fn timed<T>(&self, f: impl FnOnce(&dyn GpuBackend) -> T) -> T {
+        let cpu = ThreadCpu::own();
         let t = Instant::now();
         let r = f(&*self.inner);
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if let (Some(before), Some(after)) = (cpu, ThreadCpu::own()) {
+            let cpu_ns = after.saturating_sub(before).as_nanos();
+            self.cpu_nanos
+                .fetch_add(u64::try_from(cpu_ns).unwrap_or(u64::MAX), Ordering::SeqCst);
+        }
         self.nanos.fetch_add(ns, Ordering::SeqCst);
         self.calls.fetch_add(1, Ordering::SeqCst);
         r
@@ -453,15 +481,93 @@ pub(crate) struct Call {
     pub total: Duration,
     /// Inside `GpuBackend` calls.
     pub nvml: Duration,
+    /// CPU time of the threads that made them, inside them.
+    pub nvml_cpu: Duration,
     /// Inside checkpoint fsyncs.
     pub sync: Duration,
     /// Checkpoint fsyncs.
     pub syncs: u64,
+    /// CPU time of this process's threads but the stand-in's during the
+    /// call; `None` where the kernel does not report per-thread CPU time.
+    pub cpu: Option<Duration>,
 }
 
 impl Call {
     fn overhead(&self) -> Duration {
         self.total.saturating_sub(self.nvml)
+    }
+
+    /// CPU time minus the CPU time inside NVML.
+    fn cpu_overhead(&self) -> Option<Duration> {
+        self.cpu.map(|c| c.saturating_sub(self.nvml_cpu))
+    }
+}
+
+/// CPU time used so far by the threads of this process, but those named
+/// `skip`: the calling thread from `CLOCK_THREAD_CPUTIME_ID` (exact), the
+/// others from `/proc/self/task/<tid>/schedstat` (exact for a thread that is
+/// not running, as the driver's other threads are between calls). `None`
+/// where either is unavailable.
+struct ThreadCpu {
+    own: Duration,
+    others: BTreeMap<i32, u64>,
+}
+
+impl ThreadCpu {
+    /// Read the other threads first and this one last, so that reading
+    /// costs as little as possible of the span it opens.
+    fn before(skip: &str) -> Option<Self> {
+        let others = Self::others(skip)?;
+        Some(Self {
+            own: Self::own()?,
+            others,
+        })
+    }
+
+    /// CPU time used since `self`; this thread read first.
+    fn since(&self, skip: &str) -> Option<Duration> {
+        let own = Self::own()?.saturating_sub(self.own);
+        let others: u64 = Self::others(skip)?
+            .iter()
+            .map(|(tid, ns)| ns.saturating_sub(self.others.get(tid).copied().unwrap_or(0)))
+            .sum();
+        Some(own + Duration::from_nanos(others))
+    }
+
+    fn own() -> Option<Duration> {
+        let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).ok()?;
+        Some(Duration::from(t))
+    }
+
+    fn others(skip: &str) -> Option<BTreeMap<i32, u64>> {
+        let me = nix::unistd::gettid().as_raw();
+        let mut out = BTreeMap::new();
+        for entry in std::fs::read_dir("/proc/self/task").ok()? {
+            let entry = entry.ok()?;
+            let Some(tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            if tid == me {
+                continue;
+            }
+            let dir = entry.path();
+            // A thread that exited since the listing is skipped.
+            let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
+                continue;
+            };
+            if comm.trim_end() == skip {
+                continue;
+            }
+            let Ok(stat) = std::fs::read_to_string(dir.join("schedstat")) else {
+                continue;
+            };
+            out.insert(tid, stat.split_whitespace().next()?.parse().ok()?);
+        }
+        Some(out)
     }
 }
 
@@ -531,19 +637,25 @@ pub(crate) async fn in_process(
     }
     let start = || {
         (
-            timed.counts().nanos,
+            ThreadCpu::before(STAND_IN_THREAD),
+            timed.counts(),
             Checkpoint::sync_totals(),
             Instant::now(),
         )
     };
-    let call = |(nanos, (syncs, sync), t): (u64, (u64, Duration), Instant)| {
+    type Started = (Option<ThreadCpu>, Counts, (u64, Duration), Instant);
+    let call = |(cpu, counts, (syncs, sync), t): Started| {
         let total = t.elapsed();
+        let cpu = cpu.and_then(|c| c.since(STAND_IN_THREAD));
         let (syncs2, sync2) = Checkpoint::sync_totals();
+        let now = timed.counts();
         Call {
             total,
-            nvml: Duration::from_nanos(timed.counts().nanos - nanos),
+            nvml: Duration::from_nanos(now.nanos - counts.nanos),
+            nvml_cpu: Duration::from_nanos(now.cpu_nanos - counts.cpu_nanos),
             sync: sync2.saturating_sub(sync),
             syncs: syncs2 - syncs,
+            cpu,
         }
     };
     let switches = || {
@@ -560,6 +672,10 @@ pub(crate) async fn in_process(
             .with_context(|| format!("prepare {c}"))?;
         out.prepare.push(call(s));
         out.prepares_ok += 1;
+        // On a node the pod runs between the two, and the prepare's status
+        // write (background, not waited for by the kubelet) is long done
+        // when the unprepare comes: let it finish outside the timed span.
+        driver.settle_status_writes().await;
         let s = start();
         driver
             .unprepare_one(&c.uid)
@@ -1115,6 +1231,28 @@ pub(crate) fn report_in_process(a: &PrepareBench, r: &InProcess, out: &mut Strin
             "",
             &ratio(od.1, OVERHEAD_TARGET),
         );
+        let cpu: Option<Vec<Duration>> = v.iter().map(Call::cpu_overhead).collect();
+        match cpu {
+            Some(mut cpu) if !cpu.is_empty() => {
+                let c = p50_p99(&mut cpu);
+                row(
+                    out,
+                    &format!("{name}: CPU time - NVML p50 / p99 (ms)"),
+                    &pair(c),
+                    "(p99 <= 1 ms)",
+                    "all threads but the stand-in's",
+                    &ratio(c.1, OVERHEAD_TARGET),
+                );
+            }
+            _ => row(
+                out,
+                &format!("{name}: CPU time - NVML"),
+                "unavailable",
+                "",
+                "no per-thread CPU time from the kernel",
+                "",
+            ),
+        }
     }
     row(
         out,
@@ -1129,7 +1267,7 @@ pub(crate) fn report_in_process(a: &PrepareBench, r: &InProcess, out: &mut Strin
         "status PATCH to the stand-in, alone, p50 / p99 (ms)",
         &pair(p50_p99(&mut r.api_patch.clone())),
         "",
-        "background; unprepare waits for it",
+        "background; settled before each unprepare",
         "",
     );
     row(
@@ -1333,7 +1471,7 @@ pub fn run(args: &PrepareBench) -> anyhow::Result<std::process::ExitCode> {
     let rt = crate::plugin::runtime()?;
     let stand_in = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
-        .thread_name("api-stand-in")
+        .thread_name(STAND_IN_THREAD)
         .enable_all()
         .build()?;
     println!(
@@ -1426,11 +1564,66 @@ mod tests {
                 .chain(&r.unprepare)
                 .all(|c| c.nvml <= c.total && !c.nvml.is_zero())
         );
+        // Every call used CPU outside NVML (its checkpoint write at least),
+        // and the report has the rows.
+        assert!(
+            r.prepare
+                .iter()
+                .chain(&r.unprepare)
+                .all(|c| c.cpu.is_some_and(|x| x > c.nvml_cpu))
+        );
         assert_eq!(r.api_get.len(), API_SAMPLES);
         assert_eq!(r.api_patch.len(), API_SAMPLES);
         let mut out = String::new();
         assert!(report_in_process(&a, &r, &mut out) || out.contains("MISSED"));
         assert!(out.contains("26/26, 26/26; 0; 0"), "{out}");
+        assert!(
+            out.contains("prepare: CPU time - NVML p50 / p99 (ms)"),
+            "{out}"
+        );
+    }
+
+    /// A thread that used `cpu` of CPU time, then sleeps until `release`
+    /// drops; reports its thread id.
+    fn busy_thread(
+        name: &str,
+        cpu: Duration,
+        release: std::sync::mpsc::Receiver<()>,
+    ) -> (i32, std::thread::JoinHandle<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                while ThreadCpu::own().unwrap() < cpu {
+                    std::hint::black_box((0..1000u64).sum::<u64>());
+                }
+                tx.send(nix::unistd::gettid().as_raw()).unwrap();
+                let _ = release.recv();
+            })
+            .unwrap();
+        (rx.recv().unwrap(), h)
+    }
+
+    #[test]
+    fn thread_cpu_counts_the_other_threads_but_the_skipped_ones() {
+        assert!(
+            Path::new("/proc/thread-self/schedstat").exists(),
+            "this kernel reports no per-thread CPU time: the CPU rows would be empty"
+        );
+        let before = ThreadCpu::before("skipped").unwrap();
+        let (stop_a, ra) = std::sync::mpsc::channel();
+        let (stop_b, rb) = std::sync::mpsc::channel();
+        let (counted, ha) = busy_thread("counted", Duration::from_millis(40), ra);
+        let (skipped, hb) = busy_thread("skipped", Duration::from_millis(40), rb);
+        let others = ThreadCpu::others("skipped").unwrap();
+        assert!(!others.contains_key(&skipped));
+        assert!(!others.contains_key(&nix::unistd::gettid().as_raw()));
+        assert!(others[&counted] >= 40_000_000, "{others:?}");
+        // The counted thread is new since `before`: all its time counts.
+        assert!(before.since("skipped").unwrap() >= Duration::from_millis(40));
+        drop((stop_a, stop_b));
+        ha.join().unwrap();
+        hb.join().unwrap();
     }
 
     #[test]

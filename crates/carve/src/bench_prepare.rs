@@ -386,14 +386,73 @@ impl BenchNode {
 }
 
 /// Store an allocated ResourceClaim naming one device of this node's pool.
+/// A claim as the API server returns it once the scheduler allocated it for
+/// a pod: made from the pod's claim template (owner reference, annotation,
+/// finalizer), reserved for the pod, allocated on the node, and with the
+/// `managedFields` that the resource-claim controller's create and the
+/// scheduler's status update leave on it. The driver reads and parses all of
+/// this on every prepare, so the benchmark's claims carry it too.
 fn put_claim(store: &Store, name: &str, uid: &str, device: &str) -> anyhow::Result<ClaimRef> {
+    let pod_uid = format!("pod-{uid}");
+    let time = "2026-11-29T10:00:00Z";
     let obj = serde_json::json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default", "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "mig.gpu.carve.dev"}}]}},
-        "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": carve_model::DRIVER_NAME, "pool": NODE, "device": device}
-        ], "config": []}}}
+        "metadata": {
+            "name": name, "namespace": "default", "uid": uid,
+            "generateName": format!("{name}-gpu-"),
+            "creationTimestamp": time,
+            "annotations": {"resource.kubernetes.io/pod-claim-name": "gpu"},
+            "finalizers": ["resource.kubernetes.io/delete-protection"],
+            "ownerReferences": [{
+                "apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod_uid,
+                "controller": true, "blockOwnerDeletion": true
+            }],
+            "managedFields": [
+                {
+                    "manager": "kube-controller-manager", "operation": "Update",
+                    "apiVersion": "resource.k8s.io/v1", "time": time, "fieldsType": "FieldsV1",
+                    "fieldsV1": {
+                        "f:metadata": {
+                            "f:annotations": {".": {}, "f:resource.kubernetes.io/pod-claim-name": {}},
+                            "f:generateName": {},
+                            "f:ownerReferences": {".": {}, format!("k:{{\"uid\":\"{pod_uid}\"}}"): {}}
+                        },
+                        "f:spec": {"f:devices": {"f:requests": {}}}
+                    }
+                },
+                {
+                    "manager": "kube-scheduler", "operation": "Update",
+                    "apiVersion": "resource.k8s.io/v1", "time": time, "fieldsType": "FieldsV1",
+                    "subresource": "status",
+                    "fieldsV1": {
+                        "f:status": {
+                            "f:allocation": {".": {}, "f:allocationTimestamp": {}, "f:devices": {".": {}, "f:results": {}}, "f:nodeSelector": {}},
+                            "f:reservedFor": {
+                                ".": {},
+                                format!("k:{{\"resource\":\"pods\",\"uid\":\"{pod_uid}\"}}"): {
+                                    ".": {}, "f:name": {}, "f:resource": {}, "f:uid": {}
+                                }
+                            }
+                        }
+                    }
+                }
+            ]
+        },
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "mig.gpu.carve.dev", "allocationMode": "ExactCount", "count": 1
+        }}]}},
+        "status": {
+            "allocation": {
+                "allocationTimestamp": time,
+                "devices": {"results": [
+                    {"request": "gpu", "driver": carve_model::DRIVER_NAME, "pool": NODE, "device": device}
+                ], "config": []},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [NODE]}
+                ]}]}
+            },
+            "reservedFor": [{"resource": "pods", "name": name, "uid": pod_uid}]
+        }
     });
     store
         .insert(Resource::ResourceClaims, obj)

@@ -21,7 +21,7 @@ use crate::checkpoint::{
     self, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState, DeviceRecord,
     MpsShare, PreparedKind, move_aside,
 };
-use crate::claim::{ClaimRef, InvalidClaim, PreparedDevice};
+use crate::claim::{ClaimRef, InvalidClaim, PreparedDevice, ReadClaim};
 use crate::config::{
     ConfigError, GpuPolicy, MpsSetup, PluginConfig, Retry, capabilities_env,
     effective_capabilities, effective_mps, parse_configs,
@@ -1035,7 +1035,7 @@ impl Driver {
         // reread): the allocation it reads is not guarded by that lock, and
         // its result is used only once the lock is held. For a claim found
         // prepared already the result is ignored (one wasted GET).
-        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let api: Api<ReadClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
         let get = async {
             let _permit = self.api_calls.acquire().await;
             api.get_opt(&claim.name).await
@@ -1060,7 +1060,8 @@ impl Driver {
             .ok_or_else(|| ClaimError::NotFound {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
-            })?;
+            })?
+            .0;
         let found = rc.metadata.uid.clone().unwrap_or_default();
         if found != claim.uid {
             return Err(ClaimError::Replaced {
@@ -1624,12 +1625,7 @@ impl Driver {
     /// yaml`) and tools. A failed write is logged; the claim stays prepared.
     /// The claim's unprepare waits for the write first ([`STATUS_SETTLE`]),
     /// so a write never lands after the devices it names are gone.
-    async fn start_status_write(
-        &self,
-        api: Api<ResourceClaim>,
-        rc: &ResourceClaim,
-        claim: &ClaimRef,
-    ) {
+    async fn start_status_write(&self, api: Api<ReadClaim>, rc: &ResourceClaim, claim: &ClaimRef) {
         let Some(patch) = self.status_patch(rc, claim).await else {
             return;
         };
@@ -1919,10 +1915,10 @@ impl Driver {
         };
         let mut done = Vec::new();
         for c in claims {
-            let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &c.namespace);
+            let api: Api<ReadClaim> = Api::namespaced(self.client.clone(), &c.namespace);
             let stale = match api.get_opt(&c.name).await {
                 Ok(None) => true,
-                Ok(Some(rc)) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
+                Ok(Some(ReadClaim(rc))) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
                 Err(e) => {
                     tracing::warn!(claim.uid = %c.uid, error = %e, "GC: reading claim failed");
                     false
@@ -2430,7 +2426,7 @@ impl Driver {
         &self,
         live: &BTreeMap<u32, Vec<GpuInstanceInfo>>,
     ) -> Result<Vec<ClaimRecord>, PluginError> {
-        let api: Api<ResourceClaim> = Api::all(self.client.clone());
+        let api: Api<ReadClaim> = Api::all(self.client.clone());
         let list = api
             .list(&ListParams::default())
             .await
@@ -2439,7 +2435,7 @@ impl Driver {
                 source: Box::new(e),
             })?;
         let mut out = Vec::new();
-        for rc in list.items {
+        for ReadClaim(rc) in list.items {
             let Ok(planned) = self.plan(&rc) else {
                 continue;
             };

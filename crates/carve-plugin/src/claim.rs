@@ -222,7 +222,7 @@ mod tests {
 /// is skipped while the response is parsed, not parsed and then dropped.
 /// Requests go to the same URL as for `ResourceClaim`.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct ReadClaim(pub(crate) ResourceClaim);
+pub struct ReadClaim(pub ResourceClaim);
 
 impl<'de> serde::Deserialize<'de> for ReadClaim {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

@@ -39,7 +39,7 @@ pub use checkpoint::{
     CHECKPOINT_API_VERSION, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState,
     DeviceRecord, MpsShare, PreparedKind,
 };
-pub use claim::{ClaimRef, InvalidClaim, PreparedDevice};
+pub use claim::{ClaimRef, InvalidClaim, PreparedDevice, ReadClaim};
 pub use config::{
     ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, MpsSetup, OPAQUE_API_VERSION,
     OpaqueConfig, PluginConfig, Retry, WriteFault,

@@ -56,8 +56,7 @@ use carve_gpu::{
 use carve_model::{DeviceName, GpuModel, MigProfile, Placement};
 use carve_nvml::{NvmlBackend, NvmlOptions};
 use carve_plugin::testing::{FakeKubelet, uds_channel};
-use carve_plugin::{Checkpoint, ClaimRef, Driver, PluginConfig, Retry, SocketPaths};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use carve_plugin::{Checkpoint, ClaimRef, Driver, PluginConfig, ReadClaim, Retry, SocketPaths};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
@@ -648,6 +647,9 @@ pub(crate) struct InProcess {
     /// Claim GET and status PATCH round trips to the stand-in, timed alone.
     pub api_get: Vec<Duration>,
     pub api_patch: Vec<Duration>,
+    /// Round trips to a blocking thread and back with nothing to do, on the
+    /// plugin's runtime: the hand-off each NVML hop of the driver pays.
+    pub hop: Vec<Duration>,
     /// Context switches of this whole process (plugin core, stand-in,
     /// runtime) per one-at-a-time prepare+unprepare cycle: thread hand-offs,
     /// counted rather than timed, so it does not move with machine load.
@@ -755,9 +757,10 @@ pub(crate) async fn in_process(
     out.switches_per_cycle = (switches()? - switches_before) as f64 / seq.len().max(1) as f64;
 
     // The API-server round trips of a prepare, alone: the claim GET and the
-    // status PATCH (the same requests the driver sends).
+    // status PATCH (the same requests the driver sends, read as it reads
+    // them), and the hand-off of an NVML hop with nothing in it.
     let client = api.try_client()?;
-    let claims: Api<ResourceClaim> = Api::namespaced(client, "default");
+    let claims: Api<ReadClaim> = Api::namespaced(client, "default");
     let probe = seq.first().context("no claims")?;
     let patch = serde_json::json!({"status": {"devices": []}});
     for _ in 0..API_SAMPLES {
@@ -774,6 +777,11 @@ pub(crate) async fn in_process(
             .await
             .with_context(|| format!("PATCH ResourceClaim {probe} status"))?;
         out.api_patch.push(t.elapsed());
+        let t = Instant::now();
+        tokio::task::spawn_blocking(|| ())
+            .await
+            .context("a blocking thread")?;
+        out.hop.push(t.elapsed());
     }
 
     // `concurrency` claims at once, in rounds.
@@ -1339,6 +1347,14 @@ pub(crate) fn report_in_process(a: &PrepareBench, r: &InProcess, out: &mut Strin
     );
     row(
         out,
+        "blocking-thread hand-off, empty, p50 / p99 (ms)",
+        &pair(p50_p99(&mut r.hop.clone())),
+        "",
+        "one per NVML hop, in the overhead",
+        "",
+    );
+    row(
+        out,
         "context switches per prepare+unprepare cycle (whole process)",
         &format!("{:.1}", r.switches_per_cycle),
         "",
@@ -1641,6 +1657,7 @@ mod tests {
         );
         assert_eq!(r.api_get.len(), API_SAMPLES);
         assert_eq!(r.api_patch.len(), API_SAMPLES);
+        assert_eq!(r.hop.len(), API_SAMPLES);
         let mut out = String::new();
         assert!(report_in_process(&a, &r, &mut out) || out.contains("MISSED"));
         assert!(out.contains("26/26, 26/26; 0; 0"), "{out}");

@@ -25,9 +25,9 @@
 //! thread, a late wake-up). Next to it, each call's CPU time: what this
 //! process's threads but the stand-in's used during the call (the driver on
 //! the runtime thread, its blocking threads, the kube client), minus the CPU
-//! time inside NVML calls. It leaves out waiting, so a busy machine moves it less than
-//! the wall time (though still some: shared caches and cores). It is read
-//! from each thread's CPU clock; the row says so where there is none.
+//! time inside NVML calls. It leaves out waiting, so a busy machine moves it
+//! less than the wall time (though still some: shared caches and cores). It
+//! is read from each thread's CPU clock; the row says so where there is none.
 //!
 //! The plugin fsyncs a checkpoint write only when it records (or
 //! replaces a file that records) a GPU whose MIG mode the plugin enabled, the
@@ -383,9 +383,9 @@ impl BenchNode {
     }
 }
 
-/// Store an allocated ResourceClaim naming one device of this node's pool.
-/// A claim as the API server returns it once the scheduler allocated it for
-/// a pod: made from the pod's claim template (owner reference, annotation,
+/// Store an allocated ResourceClaim naming one device of this node's pool,
+/// as the API server returns it once the scheduler allocated it for a pod:
+/// made from the pod's claim template (owner reference, annotation,
 /// finalizer), reserved for the pod, allocated on the node, and with the
 /// `managedFields` that the resource-claim controller's create and the
 /// scheduler's status update leave on it. The driver reads and parses all of

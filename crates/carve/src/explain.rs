@@ -94,13 +94,11 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     let mut objects = match &args.slices {
         Some(p) => carve_alloc::load_yaml_documents(p)?,
         None => {
-            let sargs = crate::slices::SlicesArgs {
-                gpus: args.simulate_gpus.clone(),
-                kube_version: carve_apiserver::KubeVersion::default(),
-                node: args.node.clone().unwrap_or_else(|| "sim-node".into()),
-                order: crate::slices::Order::Carve,
-                output: crate::slices::Output::Yaml,
-            };
+            let sargs = crate::slices::SlicesArgs::simulated(
+                &args.simulate_gpus,
+                carve_apiserver::KubeVersion::default(),
+                args.node.as_deref().unwrap_or("sim-node"),
+            );
             crate::slices::build(&sargs)?
                 .into_iter()
                 .map(Object::Slice)

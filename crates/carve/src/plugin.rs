@@ -208,14 +208,15 @@ pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
 }
 
 /// What the node publishes, read once from the backend.
-struct Inventory {
-    gpus: Vec<NodeGpu>,
+pub(crate) struct Inventory {
+    pub(crate) gpus: Vec<NodeGpu>,
 }
 
 /// Read the GPUs and decide per GPU what can be published. A GPU whose MIG data
 /// cannot be read or is inconsistent publishes only the whole device, with one
 /// error logged for it: the plugin still serves the rest.
-fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inventory> {
+/// Read-only: it lists GPUs, profiles and, for static GPUs, instances.
+pub(crate) fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow::Result<Inventory> {
     let infos = backend.gpus().context("listing GPUs through NVML")?;
     let mut gpus = Vec::with_capacity(infos.len());
     for info in infos {

@@ -44,6 +44,17 @@ pub struct SlicesArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
     #[arg(long, default_value = "h100-80gb:8")]
     pub gpus: String,
+    /// Read this node's GPUs through NVML instead of simulating `--gpus`: what the
+    /// kubelet plugin would publish here, with its inventory rules. Read-only:
+    /// nothing on the GPUs changes.
+    #[arg(long, conflicts_with = "gpus")]
+    pub from_nvml: bool,
+    #[command(flatten)]
+    pub nvml: crate::NvmlArgs,
+    /// With `--from-nvml`: MIG policy, as the plugin's `--mig-policy`
+    /// (`dynamic`, `static`, or per GPU like `dynamic,1=static`).
+    #[arg(long, default_value = "dynamic", value_parser = crate::plugin::parse_mig_policy, requires = "from_nvml")]
+    pub mig_policy: crate::plugin::MigPolicy,
     /// Kubernetes version of the API server; decides the slice layout (1.34 or 1.35+).
     #[arg(long, default_value = "1.35", value_parser = crate::parse_kube_version)]
     pub kube_version: carve_apiserver::KubeVersion,
@@ -58,15 +69,44 @@ pub struct SlicesArgs {
     pub output: Output,
 }
 
-/// Build the slices of a simulated node.
+impl SlicesArgs {
+    /// A simulated node of `gpus` (`model:count[,...]`), carve's order, YAML.
+    pub fn simulated(gpus: &str, kube_version: carve_apiserver::KubeVersion, node: &str) -> Self {
+        SlicesArgs {
+            gpus: gpus.into(),
+            from_nvml: false,
+            nvml: crate::NvmlArgs {
+                nvml_lib: "libnvidia-ml.so.1".into(),
+                proc_driver_nvidia: "/proc/driver/nvidia".into(),
+            },
+            mig_policy: crate::plugin::MigPolicy {
+                default: carve_plugin::GpuPolicy::Dynamic,
+                per_gpu: std::collections::BTreeMap::new(),
+            },
+            kube_version,
+            node: node.into(),
+            order: Order::Carve,
+            output: Output::Yaml,
+        }
+    }
+}
+
+/// Build the slices of the simulated node, or of this node's GPUs with `--from-nvml`.
 pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
-    let models =
-        slices::parse_gpu_spec(&args.gpus).with_context(|| format!("--gpus {:?}", args.gpus))?;
-    let gpus = slices::simulated_gpus(&models)?;
+    let node: Vec<NodeGpu> = if args.from_nvml {
+        let backend = args.nvml.open()?;
+        crate::plugin::inventory(&backend, &args.mig_policy)?.gpus
+    } else {
+        let models = slices::parse_gpu_spec(&args.gpus)
+            .with_context(|| format!("--gpus {:?}", args.gpus))?;
+        slices::simulated_gpus(&models)?
+            .into_iter()
+            .map(NodeGpu::dynamic)
+            .collect()
+    };
     let layout = KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)?;
     let mut opts = SliceOptions::new(&args.node, layout);
     opts.order = args.order.into();
-    let node: Vec<NodeGpu> = gpus.into_iter().map(NodeGpu::dynamic).collect();
     Ok(slices::build_slices(&node, &opts)?)
 }
 
@@ -121,11 +161,8 @@ mod tests {
 
     fn args(gpus: &str, minor: u32, output: Output) -> SlicesArgs {
         SlicesArgs {
-            gpus: gpus.into(),
-            kube_version: carve_apiserver::KubeVersion { major: 1, minor },
-            node: "n1".into(),
-            order: Order::Carve,
             output,
+            ..SlicesArgs::simulated(gpus, carve_apiserver::KubeVersion { major: 1, minor }, "n1")
         }
     }
 

@@ -1,0 +1,228 @@
+//! `carve slices --from-nvml`: the built binary reads the GPUs through the real
+//! NVML backend, here loaded on the NVML simulator library, and prints what the
+//! kubelet plugin would publish, without changing anything on the GPUs.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use nvidia_ml_sim::{GpuEntry, SimConfig};
+
+/// The simulator library built next to the `carve` binary.
+fn sim_lib() -> PathBuf {
+    let exe = Path::new(env!("CARGO_BIN_EXE_carve"));
+    let dir = exe.parent().unwrap();
+    [
+        dir.join("libnvidia_ml_sim.so"),
+        dir.join("deps/libnvidia_ml_sim.so"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+    .expect("libnvidia_ml_sim.so is built with the carve binary")
+}
+
+fn carve(args: &[&str], config: Option<&Path>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_carve"));
+    cmd.arg("slices")
+        .args(args)
+        .env_remove("CARVE_NVML_SIM_CONFIG")
+        .env_remove("CARVE_NVML_SIM_FAULTS")
+        .env_remove("CARVE_NVML_LIB");
+    if let Some(c) = config {
+        cmd.env("CARVE_NVML_SIM_CONFIG", c);
+    }
+    cmd.output().expect("running the carve binary")
+}
+
+fn slices(o: &Output) -> Vec<ResourceSlice> {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("carve slices -o json prints a list of slices")
+}
+
+/// Device name → its JSON, over every slice.
+fn devices(s: &[ResourceSlice]) -> BTreeMap<String, serde_json::Value> {
+    s.iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| (d.name.clone(), serde_json::to_value(d).unwrap()))
+        .collect()
+}
+
+/// Counter set name → its JSON.
+fn counter_sets(s: &[ResourceSlice]) -> BTreeMap<String, serde_json::Value> {
+    s.iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .map(|c| (c.name.clone(), serde_json::to_value(c).unwrap()))
+        .collect()
+}
+
+/// A node of two H100s with MIG mode off and one A100 with MIG mode on.
+fn node(dir: &Path) -> PathBuf {
+    let cfg = SimConfig::new(
+        "node-a",
+        vec![
+            GpuEntry::new("h100-80gb", 2, false),
+            GpuEntry::new("a100-40gb", 1, true),
+        ],
+        dir,
+    );
+    let path = dir.join("sim.json");
+    cfg.to_file(&path).unwrap();
+    path
+}
+
+#[test]
+fn a_dynamic_node_publishes_what_the_plugin_would() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = node(dir.path());
+    let lib = sim_lib();
+    let lib = lib.to_str().unwrap();
+    let read = slices(&carve(
+        &[
+            "--from-nvml",
+            "--nvml-lib",
+            lib,
+            "--node",
+            "node-a",
+            "-o",
+            "json",
+        ],
+        Some(&cfg),
+    ));
+    let sim = slices(&carve(
+        &["--gpus", "h100-80gb:2", "--node", "node-a", "-o", "json"],
+        None,
+    ));
+    let (read_dev, sim_dev) = (devices(&read), devices(&sim));
+
+    // The H100s (MIG mode off, enabled by the plugin on demand) publish the same
+    // devices, counters and consumption as the simulated node; only what NVML
+    // reports about the hardware (UUIDs, PCI addresses, driver version) differs.
+    let hw = [
+        "uuid",
+        "resource.kubernetes.io/pciBusID",
+        "resource.kubernetes.io/pcieRoot",
+        "driverVersion",
+        "parentUUID",
+    ];
+    let strip = |mut d: serde_json::Value| {
+        if let Some(a) = d.get_mut("attributes").and_then(|a| a.as_object_mut()) {
+            for k in hw {
+                a.remove(k);
+            }
+        }
+        d
+    };
+    for (name, d) in &sim_dev {
+        let got = read_dev
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} is missing from --from-nvml"));
+        assert_eq!(strip(got.clone()), strip(d.clone()), "{name}");
+    }
+    for set in ["gpu-0-counters", "gpu-1-counters"] {
+        assert_eq!(
+            counter_sets(&read).get(set),
+            counter_sets(&sim).get(set),
+            "{set}"
+        );
+    }
+
+    // The A100 is in MIG mode: every placement, and no whole GPU, which an
+    // Ampere GPU in MIG mode could not run work on.
+    let gpu2: BTreeSet<&str> = read_dev
+        .keys()
+        .filter(|n| n.starts_with("gpu-2"))
+        .map(String::as_str)
+        .collect();
+    assert!(gpu2.contains("gpu-2-mig-1g5gb-6"), "{gpu2:?}");
+    assert!(gpu2.contains("gpu-2-mig-7g40gb-0"), "{gpu2:?}");
+    assert!(!gpu2.contains("gpu-2"), "{gpu2:?}");
+    let uuid = read_dev["gpu-2-mig-7g40gb-0"]["attributes"]["parentUUID"]["string"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(uuid.starts_with("GPU-"), "{uuid}");
+}
+
+#[test]
+fn reading_changes_nothing_on_the_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = node(dir.path());
+    let lib = sim_lib();
+    let lib = lib.to_str().unwrap();
+    let state = SimConfig::from_file(&cfg).unwrap().state_file;
+    let before = std::fs::read(&state).ok();
+    for policy in ["dynamic", "static"] {
+        let read = slices(&carve(
+            &[
+                "--from-nvml",
+                "--nvml-lib",
+                lib,
+                "--mig-policy",
+                policy,
+                "-o",
+                "json",
+            ],
+            Some(&cfg),
+        ));
+        assert!(!devices(&read).is_empty(), "{policy}");
+    }
+    assert_eq!(
+        std::fs::read(&state).ok(),
+        before,
+        "the simulator's GPU state (MIG modes, instances) is unchanged"
+    );
+}
+
+#[test]
+fn a_static_gpu_publishes_only_its_existing_instances() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = node(dir.path());
+    let lib = sim_lib();
+    let read = slices(&carve(
+        &[
+            "--from-nvml",
+            "--nvml-lib",
+            lib.to_str().unwrap(),
+            "--mig-policy",
+            "dynamic,2=static",
+            "-o",
+            "json",
+        ],
+        Some(&cfg),
+    ));
+    // GPU 2 has no instances yet: nothing of it is published as MIG devices.
+    let names = devices(&read);
+    assert!(
+        !names.keys().any(|n| n.starts_with("gpu-2-mig")),
+        "{:?}",
+        names.keys().collect::<Vec<_>>()
+    );
+    assert!(names.contains_key("gpu-0-mig-1g10gb-0"));
+}
+
+#[test]
+fn a_missing_library_is_named_in_one_line() {
+    let o = carve(
+        &[
+            "--from-nvml",
+            "--nvml-lib",
+            "/nonexistent/libnvidia-ml.so.1",
+        ],
+        None,
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("/nonexistent/libnvidia-ml.so.1"), "{err}");
+    assert!(o.stdout.is_empty(), "nothing half-printed");
+}
+
+#[test]
+fn nvml_flags_need_from_nvml() {
+    let o = carve(&["--mig-policy", "static"], None);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--from-nvml"));
+    let o = carve(&["--from-nvml", "--gpus", "h100-80gb:1"], None);
+    assert!(!o.status.success());
+}

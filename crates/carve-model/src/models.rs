@@ -403,8 +403,8 @@ fn hopper(h: &Hopper) -> GpuSpec {
     }
 }
 
-/// Engines of H100/H200 profiles (MIG guide media units; copy engines from the
-/// H200 table, inferred for H100).
+/// Engines of H100/H200 profiles: read through NVML on a real H200 (agreeing
+/// with the MIG guide's media units); inferred for the H100s.
 const HOPPER_ENGINES: [Engines; 7] = [
     eng(1, 1, 0, 1, 0),
     eng(1, 1, 0, 1, 1),
@@ -468,8 +468,11 @@ fn h100_94gb() -> GpuSpec {
     })
 }
 
-/// H200-141GB: names, slices, engines from the MIG guide (Table 8); ids,
-/// placements, SMs and per-profile memory inferred from H100.
+/// H200-141GB: every value read through NVML on a real H200 (driver 580.159.04,
+/// MIG mode off; `carve nvml-probe`, kept in
+/// `crates/carve-nvml/tests/fixtures/hardware/`): profile ids and indexes,
+/// slices, SMs, memory, engines, instance counts and placements. The
+/// per-profile memory inferred earlier from H100 was wrong by up to 1 GiB.
 fn h200_141gb() -> GpuSpec {
     hopper(&Hopper {
         product: "NVIDIA H200",
@@ -486,11 +489,11 @@ fn h200_141gb() -> GpuSpec {
             "4g.71gb",
             "7g.141gb",
         ],
-        mib: [16896, 16896, 33536, 33536, 71040, 71040, 142336],
+        mib: [16384, 16384, 33280, 33280, 71424, 71424, 143360],
         sms: HOPPER_SMS,
         engines: HOPPER_ENGINES,
         whole: eng(8, 7, 0, 7, 1),
-        inferred: true,
+        inferred: false,
     })
 }
 

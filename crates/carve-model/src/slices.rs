@@ -1168,10 +1168,13 @@ fn capacity(memory_mib: u64, multiprocessors: u32) -> BTreeMap<String, DeviceCap
 
 /// Per GPU, what its devices share, made once: the common attributes and, per
 /// profile on first use, a MIG device's attributes (`placementStart` still 0)
-/// and capacity.
+/// and capacity. Each MIG device gets a copy of its profile's parts, except the
+/// profile's last device, which takes them: no parts are made only to be dropped.
 struct GpuParts {
     common: BTreeMap<String, DeviceAttribute>,
     mig: Vec<Option<MigParts>>,
+    /// Per profile, MIG devices still to be made.
+    mig_left: Vec<u32>,
 }
 
 /// The attribute holding a MIG device's placement start.
@@ -1183,31 +1186,45 @@ type MigParts = (
 );
 
 impl GpuParts {
-    fn new(gpu: &PhysicalGpu) -> Result<Self, SliceError> {
+    /// `mig_left[p]`: how many MIG devices of profile `p` will be made.
+    fn new(gpu: &PhysicalGpu, mig_left: Vec<u32>) -> Result<Self, SliceError> {
         Ok(Self {
             common: common_attributes(gpu)?,
             mig: vec![None; gpu.spec.profiles.len()],
+            mig_left,
         })
     }
 
-    fn mig(&mut self, spec: &GpuSpec, profile: usize) -> &MigParts {
+    /// The parts of one more MIG device of `profile`.
+    fn mig_device(&mut self, spec: &GpuSpec, profile: usize) -> MigParts {
+        let prof = &spec.profiles[profile];
+        let left = &mut self.mig_left[profile];
+        *left = left.saturating_sub(1);
+        if *left == 0 {
+            return self.mig[profile]
+                .take()
+                .unwrap_or_else(|| mig_parts(&self.common, prof));
+        }
         let common = &self.common;
-        self.mig[profile].get_or_insert_with(|| {
-            let prof = &spec.profiles[profile];
-            let mut attrs = common.clone();
-            if let Some(u) = attrs.remove("uuid") {
-                attrs.insert("parentUUID".into(), u);
-            }
-            attrs.insert("type".into(), a_str("mig"));
-            attrs.insert("profile".into(), a_str(prof.name.clone()));
-            attrs.insert("memorySlices".into(), a_int(prof.memory_slices));
-            attrs.insert("computeSlices".into(), a_int(prof.compute_slices));
-            // Set per device; present here so that a device's copy only
-            // changes a value (no insert into a cloned map).
-            attrs.insert(PLACEMENT_START.into(), a_int(0));
-            (attrs, capacity(prof.memory_mib, prof.multiprocessors))
-        })
+        let (attrs, caps) = self.mig[profile].get_or_insert_with(|| mig_parts(common, prof));
+        (attrs.clone(), caps.clone())
     }
+}
+
+/// A MIG device's attributes (`placementStart` still 0) and capacity.
+fn mig_parts(common: &BTreeMap<String, DeviceAttribute>, prof: &crate::MigProfile) -> MigParts {
+    let mut attrs = common.clone();
+    if let Some(u) = attrs.remove("uuid") {
+        attrs.insert("parentUUID".into(), u);
+    }
+    attrs.insert("type".into(), a_str("mig"));
+    attrs.insert("profile".into(), a_str(prof.name.clone()));
+    attrs.insert("memorySlices".into(), a_int(prof.memory_slices));
+    attrs.insert("computeSlices".into(), a_int(prof.compute_slices));
+    // Set per device; present here so that a device's copy only
+    // changes a value (no insert into a cloned map).
+    attrs.insert(PLACEMENT_START.into(), a_int(0));
+    (attrs, capacity(prof.memory_mib, prof.multiprocessors))
 }
 
 fn make_device(
@@ -1257,15 +1274,14 @@ fn make_device(
             }
         }
         Kind::Mig { profile, start } => {
-            let (attrs, caps) = parts.mig(spec, profile);
-            let mut attrs = attrs.clone();
+            let (mut attrs, caps) = parts.mig_device(spec, profile);
             if let Some(a) = attrs.get_mut(PLACEMENT_START) {
                 a.int = Some(start.into());
             }
             Device {
                 name: p.name.to_string(),
                 attributes: Some(attrs),
-                capacity: Some(caps.clone()),
+                capacity: Some(caps),
                 consumes_counters: model.map(|m| m.mig(spec, profile, start)),
                 ..Default::default()
             }
@@ -1464,23 +1480,33 @@ pub fn build_slices(
             })
         })
         .collect();
+    let mut mig_left: Vec<Vec<u32>> = gpus
+        .iter()
+        .map(|g| vec![0; g.gpu.spec.profiles.len()])
+        .collect();
+    for p in &planned {
+        if let Kind::Mig { profile, .. } = p.kind {
+            mig_left[p.gpu][profile] += 1;
+        }
+    }
     let mut parts: Vec<GpuParts> = gpus
         .iter()
-        .map(|g| GpuParts::new(&g.gpu))
+        .zip(mig_left)
+        .map(|(g, left)| GpuParts::new(&g.gpu, left))
         .collect::<Result<_, _>>()?;
-    let devices: Vec<(usize, Device)> = planned
-        .iter()
-        .map(|p| {
-            make_device(
-                p,
-                &gpus[p.gpu].gpu,
-                &mut parts[p.gpu],
-                models[p.gpu].as_ref(),
-                &opts.sharing,
-            )
-            .map(|d| (p.gpu, d))
-        })
-        .collect::<Result<_, _>>()?;
+    // Sized once: a collect through `Result` would regrow it (and move every
+    // device) about eight times.
+    let mut devices: Vec<(usize, Device)> = Vec::with_capacity(planned.len());
+    for p in &planned {
+        let d = make_device(
+            p,
+            &gpus[p.gpu].gpu,
+            &mut parts[p.gpu],
+            models[p.gpu].as_ref(),
+            &opts.sharing,
+        )?;
+        devices.push((p.gpu, d));
+    }
 
     // Per GPU: (counters in its set, its devices, their counter entries).
     let mut per_gpu: Vec<(usize, usize, usize)> = models
@@ -1552,15 +1578,15 @@ pub fn build_slices(
     let mut buckets: Vec<(&str, Bucket)> = Vec::new();
     match opts.layout {
         KubeLayout::V135Plus => {
-            let sets: Vec<CounterSet> = gpu_order
+            let mut sets = gpu_order
                 .iter()
                 .filter_map(|&gi| models[gi].as_ref().map(CounterModel::counter_set))
-                .collect();
-            for chunk in sets.chunks(limits::COUNTER_SETS_PER_SLICE) {
+                .peekable();
+            while sets.peek().is_some() {
                 buckets.push((
                     "counters",
                     Bucket {
-                        sets: chunk.to_vec(),
+                        sets: sets.by_ref().take(limits::COUNTER_SETS_PER_SLICE).collect(),
                         devices: Vec::new(),
                     },
                 ));

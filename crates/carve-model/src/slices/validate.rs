@@ -968,7 +968,12 @@ fn validate_pools(
                 }
             }
         }
-        let mut devices: HashMap<&str, &str> = HashMap::new();
+        let mut devices: HashMap<&str, &str> = HashMap::with_capacity(
+            members
+                .iter()
+                .map(|&i| slices[i].spec.devices.as_ref().map_or(0, Vec::len))
+                .sum(),
+        );
         for &i in &members {
             let s = &slices[i];
             let c = Ctx {

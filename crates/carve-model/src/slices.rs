@@ -916,23 +916,34 @@ fn plan(
     // across the node and the sharing rank puts a sharing device right after
     // its exclusive twin.
     type Key<'a> = (bool, u8, u8, &'a str, (u8, u32, usize), u8);
-    let mut all: Vec<(Key<'_>, String, Planned)> = Vec::new();
     // Spec checks, placement orders, ranks and name tokens: once per distinct spec.
     let mut orders: Vec<(&GpuSpec, SpecOrder)> = Vec::new();
-    for (gi, g) in gpus.iter().enumerate() {
-        let index = g.gpu.index;
+    // Per GPU: its spec's entry in `orders` and its devices.
+    let mut units = Vec::with_capacity(gpus.len());
+    for g in gpus {
         let spec = &g.gpu.spec;
         let oi = match orders.iter().position(|(s, _)| *s == spec) {
             Some(oi) => oi,
             None => {
-                spec.validate()
-                    .map_err(|source| SliceError::Spec { gpu: index, source })?;
+                spec.validate().map_err(|source| SliceError::Spec {
+                    gpu: g.gpu.index,
+                    source,
+                })?;
                 orders.push((spec, SpecOrder::new(spec, order)));
                 orders.len() - 1
             }
         };
+        units.push((oi, with_sharing(g, gpu_units(g, &orders[oi].1)?, sharing)?));
+    }
+    // Sized once: regrowing a list of this many large entries costs more than
+    // building it.
+    let mut all: Vec<(Key<'_>, String, Planned)> =
+        Vec::with_capacity(units.iter().map(|(_, k)| k.len()).sum());
+    for (gi, (g, (oi, kinds))) in gpus.iter().zip(units).enumerate() {
+        let index = g.gpu.index;
+        let spec = &g.gpu.spec;
         let so = &orders[oi].1;
-        for kind in with_sharing(g, gpu_units(g, so)?, sharing)? {
+        for kind in kinds {
             let rank = kind.sharing_rank();
             let (key, nvidia_name, name) = match kind {
                 Kind::Whole | Kind::Mps | Kind::TimeSlice => (
@@ -1227,6 +1238,15 @@ fn mig_parts(common: &BTreeMap<String, DeviceAttribute>, prof: &crate::MigProfil
     (attrs, capacity(prof.memory_mib, prof.multiprocessors))
 }
 
+/// A device name as a String sized for it once: `to_string` would regrow it
+/// about three times while formatting.
+fn device_name(n: &DeviceName) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(32);
+    let _ = write!(s, "{n}");
+    s
+}
+
 fn make_device(
     p: &Planned,
     gpu: &PhysicalGpu,
@@ -1266,7 +1286,7 @@ fn make_device(
             let mut attrs = parts.common.clone();
             attrs.insert("type".into(), a_str("gpu"));
             Device {
-                name: p.name.to_string(),
+                name: device_name(&p.name),
                 attributes: Some(attrs),
                 capacity: Some(capacity(spec.memory_mib, spec.multiprocessors)),
                 consumes_counters: model.map(CounterModel::whole),
@@ -1279,7 +1299,7 @@ fn make_device(
                 a.int = Some(start.into());
             }
             Device {
-                name: p.name.to_string(),
+                name: device_name(&p.name),
                 attributes: Some(attrs),
                 capacity: Some(caps),
                 consumes_counters: model.map(|m| m.mig(spec, profile, start)),

@@ -54,6 +54,9 @@ enum Command {
     /// Print (JSON) everything the NVML backend reads: GPUs, MIG profiles, placements,
     /// instances. Read-only: changes nothing on the GPUs.
     NvmlProbe(NvmlArgs),
+    /// Watch the GPUs' health events (XID, ECC) through NVML for a while, as the
+    /// plugin's health monitor does, and print each as a JSON line. Read-only.
+    NvmlEvents(NvmlEventsArgs),
     /// Benchmarks that print figures against carve's targets.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -91,6 +94,54 @@ impl NvmlArgs {
         carve_nvml::NvmlBackend::open(opts)
             .map_err(|e| anyhow::anyhow!("opening NVML from {}: {e}", self.nvml_lib.display()))
     }
+}
+
+#[derive(Debug, clap::Args)]
+struct NvmlEventsArgs {
+    #[command(flatten)]
+    nvml: NvmlArgs,
+    /// How long to watch.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+}
+
+/// `carve nvml-events`: events as JSON lines on stdout, what is watched and how
+/// many arrived on stderr.
+fn nvml_events(a: &NvmlEventsArgs) -> anyhow::Result<()> {
+    use carve_gpu::{EventKind, GpuBackend as _, GpuEvents as _};
+    use std::io::Write as _;
+    let backend = a.nvml.open()?;
+    let gpus = backend.gpus()?.len();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.seconds);
+    // A zero wait starts watching: events from then on are delivered, and a
+    // GPU that cannot be watched is reported at once.
+    let first = backend.wait_events(std::time::Duration::ZERO)?;
+    let unmonitored = first
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Unmonitored { .. }))
+        .count();
+    eprintln!(
+        "carve nvml-events: watching {} of {gpus} GPUs for XID and ECC events for {} s",
+        gpus - unmonitored.min(gpus),
+        a.seconds
+    );
+    let mut out = std::io::stdout().lock();
+    let mut count = 0usize;
+    let mut batch = first;
+    loop {
+        for e in &batch {
+            writeln!(out, "{}", serde_json::to_string(e)?)?;
+        }
+        out.flush()?;
+        count += batch.len();
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        batch = backend.wait_events(left.min(std::time::Duration::from_millis(500)))?;
+    }
+    eprintln!("carve nvml-events: {count} events");
+    Ok(())
 }
 
 #[derive(Debug, clap::Args)]
@@ -205,6 +256,10 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::NvmlEvents(a) => {
+            nvml_events(&a)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::NvmlProbe(a) => {
             let backend = a.open()?;

@@ -1,13 +1,17 @@
-//! `carve slices --from-nvml`: the built binary reads the GPUs through the real
-//! NVML backend, here loaded on the NVML simulator library, and prints what the
-//! kubelet plugin would publish, without changing anything on the GPUs.
+//! The commands that read the node's GPUs through the real NVML backend, here
+//! loaded on the NVML simulator library, run as the built binary:
+//! `carve slices --from-nvml` prints what the kubelet plugin would publish, and
+//! `carve nvml-events` prints the health events the plugin would act on. Neither
+//! changes anything on the GPUs.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead as _, BufReader, Read as _};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
+use carve_gpu::{EventKind, GpuEvent};
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use nvidia_ml_sim::{GpuEntry, SimConfig};
+use nvidia_ml_sim::{GpuEntry, SimConfig, SimEvent, inject_event};
 
 /// The simulator library built next to the `carve` binary.
 fn sim_lib() -> PathBuf {
@@ -225,4 +229,87 @@ fn nvml_flags_need_from_nvml() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--from-nvml"));
     let o = carve(&["--from-nvml", "--gpus", "h100-80gb:1"], None);
     assert!(!o.status.success());
+}
+
+/// Runs `carve nvml-events` for `seconds` on a two-H100 node; `edit` adjusts the
+/// simulator, `during` runs once the command says it is watching. Returns the
+/// events printed and stderr.
+fn watch(
+    seconds: u32,
+    edit: impl FnOnce(&mut SimConfig),
+    during: impl FnOnce(&SimConfig),
+) -> (Vec<GpuEvent>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = SimConfig::new(
+        "node-a",
+        vec![GpuEntry::new("h100-80gb", 2, false)],
+        dir.path(),
+    );
+    edit(&mut cfg);
+    let path = dir.path().join("sim.json");
+    cfg.to_file(&path).unwrap();
+    let lib = sim_lib();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args([
+            "nvml-events",
+            "--seconds",
+            &seconds.to_string(),
+            "--nvml-lib",
+        ])
+        .arg(&lib)
+        .env("CARVE_NVML_SIM_CONFIG", &path)
+        .env_remove("CARVE_NVML_SIM_FAULTS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    // Log lines may come first (an unwatched GPU is logged as well).
+    let mut first = String::new();
+    while !first.contains("carve nvml-events: watching") {
+        assert!(err.read_line(&mut first).unwrap() > 0, "{first}");
+    }
+    during(&cfg);
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{first}{rest}");
+    let events = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    (events, first + &rest)
+}
+
+#[test]
+fn events_while_watching_are_printed_as_json_lines() {
+    let (events, err) = watch(
+        2,
+        |_| {},
+        |cfg| {
+            inject_event(cfg, &SimEvent::xid(1, 79)).unwrap();
+            inject_event(cfg, &SimEvent::dbe(0)).unwrap();
+        },
+    );
+    let got: Vec<(u32, EventKind)> = events.into_iter().map(|e| (e.gpu, e.kind)).collect();
+    assert_eq!(
+        got,
+        vec![(1, EventKind::Xid(79)), (0, EventKind::DoubleBitEcc)],
+        "{err}"
+    );
+    assert!(err.contains("watching 2 of 2 GPUs"), "{err}");
+    assert!(err.trim_end().ends_with("2 events"), "{err}");
+}
+
+#[test]
+fn a_gpu_that_cannot_be_watched_is_reported_once() {
+    let (events, err) = watch(1, |c| c.events_unsupported = vec![1], |_| {});
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].gpu, 1);
+    assert!(
+        matches!(events[0].kind, EventKind::Unmonitored { .. }),
+        "{events:?}"
+    );
+    assert!(err.contains("watching 1 of 2 GPUs"), "{err}");
 }

@@ -26,17 +26,38 @@ fn sim_lib() -> PathBuf {
     .expect("libnvidia_ml_sim.so is built with the carve binary")
 }
 
-fn carve(args: &[&str], config: Option<&Path>) -> Output {
+/// `carve <sub>` with the simulator configured by `config` (none: unconfigured).
+fn command(sub: &str, config: Option<&Path>) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_carve"));
-    cmd.arg("slices")
-        .args(args)
+    cmd.arg(sub)
         .env_remove("CARVE_NVML_SIM_CONFIG")
         .env_remove("CARVE_NVML_SIM_FAULTS")
         .env_remove("CARVE_NVML_LIB");
     if let Some(c) = config {
         cmd.env("CARVE_NVML_SIM_CONFIG", c);
     }
-    cmd.output().expect("running the carve binary")
+    cmd
+}
+
+fn carve(args: &[&str], config: Option<&Path>) -> Output {
+    command("slices", config)
+        .args(args)
+        .output()
+        .expect("running the carve binary")
+}
+
+/// A simulated node of `gpus` in `dir`, adjusted by `edit`; its configuration
+/// and the configuration file's path.
+fn sim_node(
+    dir: &Path,
+    gpus: Vec<GpuEntry>,
+    edit: impl FnOnce(&mut SimConfig),
+) -> (SimConfig, PathBuf) {
+    let mut cfg = SimConfig::new("node-a", gpus, dir);
+    edit(&mut cfg);
+    let path = dir.join("sim.json");
+    cfg.to_file(&path).unwrap();
+    (cfg, path)
 }
 
 fn slices(o: &Output) -> Vec<ResourceSlice> {
@@ -62,17 +83,11 @@ fn counter_sets(s: &[ResourceSlice]) -> BTreeMap<String, serde_json::Value> {
 
 /// A node of two H100s with MIG mode off and one A100 with MIG mode on.
 fn node(dir: &Path) -> PathBuf {
-    let cfg = SimConfig::new(
-        "node-a",
-        vec![
-            GpuEntry::new("h100-80gb", 2, false),
-            GpuEntry::new("a100-40gb", 1, true),
-        ],
-        dir,
-    );
-    let path = dir.join("sim.json");
-    cfg.to_file(&path).unwrap();
-    path
+    let gpus = vec![
+        GpuEntry::new("h100-80gb", 2, false),
+        GpuEntry::new("a100-40gb", 1, true),
+    ];
+    sim_node(dir, gpus, |_| {}).1
 }
 
 #[test]
@@ -240,25 +255,12 @@ fn watch(
     during: impl FnOnce(&SimConfig),
 ) -> (Vec<GpuEvent>, String) {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = SimConfig::new(
-        "node-a",
-        vec![GpuEntry::new("h100-80gb", 2, false)],
-        dir.path(),
-    );
-    edit(&mut cfg);
-    let path = dir.path().join("sim.json");
-    cfg.to_file(&path).unwrap();
+    let gpus = vec![GpuEntry::new("h100-80gb", 2, false)];
+    let (cfg, path) = sim_node(dir.path(), gpus, edit);
     let lib = sim_lib();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args([
-            "nvml-events",
-            "--seconds",
-            &seconds.to_string(),
-            "--nvml-lib",
-        ])
+    let mut child = command("nvml-events", Some(&path))
+        .args(["--seconds", &seconds.to_string(), "--nvml-lib"])
         .arg(&lib)
-        .env("CARVE_NVML_SIM_CONFIG", &path)
-        .env_remove("CARVE_NVML_SIM_FAULTS")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -249,10 +249,14 @@ fn serve(protocol: u32) -> ExitCode {
                 status = 1;
             }
         }
+        // Logged before the answer: a client that saw the quit succeed
+        // finds it in the log (after the answer it raced with the reader).
+        if quit {
+            log(&dir, "quit");
+        }
         let _ = write!(conn, "{out}\n#status {status}\n");
         drop(conn);
         if quit {
-            log(&dir, "quit");
             let _ = std::fs::remove_file(dir.join(PID_FILE));
             let _ = std::fs::remove_file(&sock);
             return ExitCode::SUCCESS;

@@ -46,7 +46,7 @@ fn errors_name_file_document_and_field() {
     assert_eq!(
         err.to_string(),
         format!(
-            "{} document 1: unsupported object v1/Pod (expected resource.k8s.io/v1 ResourceSlice, DeviceClass or ResourceClaim)",
+            "{} document 1: unsupported object v1/Pod (expected resource.k8s.io/v1 ResourceSlice, DeviceClass, ResourceClaim or ResourceClaimTemplate, or a v1 List of them)",
             unknown.display()
         )
     );
@@ -95,4 +95,101 @@ fn errors_name_file_document_and_field() {
     let err = load_yaml_documents(&missing).unwrap_err();
     assert!(matches!(err, LoadError::Io { .. }));
     assert!(err.to_string().starts_with(&missing.display().to_string()));
+}
+
+#[test]
+fn an_unknown_field_is_refused_and_named() {
+    // `selector:` for `selectors:`: kubectl apply rejects it ("unknown field"),
+    // so the offline tools must not read the claim without its selectors.
+    let dir = tempfile::tempdir().unwrap();
+    let typo = write(
+        &dir,
+        "typo.yaml",
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: c}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig.gpu.carve.dev\n        selector:\n        - cel: {expression: 'true'}\n",
+    );
+    let err = load_yaml_documents(&typo).unwrap_err();
+    match &err {
+        LoadError::UnknownField { index, field, .. } => {
+            assert_eq!(*index, 0);
+            assert_eq!(field, "spec.devices.requests.0.exactly.selector");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{} document 0 (ResourceClaim): unknown field \"spec.devices.requests.0.exactly.selector\"",
+            typo.display()
+        )
+    );
+
+    // At the top level and in metadata, too.
+    let top = write(
+        &dir,
+        "top.yaml",
+        "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {name: a, labelz: {}}\n",
+    );
+    let err = load_yaml_documents(&top).unwrap_err();
+    assert!(
+        matches!(&err, LoadError::UnknownField { field, .. } if field == "metadata.labelz"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_list_contributes_its_items_and_a_template_its_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    // What `kubectl get resourceclaimtemplates,deviceclasses -o yaml` prints.
+    let list = write(
+        &dir,
+        "list.yaml",
+        "apiVersion: v1\nkind: List\nitems:\n- apiVersion: resource.k8s.io/v1\n  kind: DeviceClass\n  metadata: {name: a}\n- apiVersion: resource.k8s.io/v1\n  kind: ResourceClaimTemplate\n  metadata: {name: t, namespace: ns}\n  spec:\n    spec:\n      devices:\n        requests:\n        - name: gpu\n          exactly: {deviceClassName: a}\nmetadata: {resourceVersion: \"\"}\n",
+    );
+    let objs = load_yaml_documents(&list).unwrap();
+    assert_eq!(objs.len(), 2);
+    let (inputs, pending) = Inputs::from_objects(objs);
+    assert_eq!(inputs.classes.len(), 1);
+    assert_eq!(pending.len(), 1);
+    let claim = &pending[0];
+    assert_eq!(claim.metadata.name.as_deref(), Some("t"));
+    assert_eq!(claim.metadata.namespace.as_deref(), Some("ns"));
+    let requests = claim
+        .spec
+        .devices
+        .as_ref()
+        .unwrap()
+        .requests
+        .as_ref()
+        .unwrap();
+    assert_eq!(requests[0].name, "gpu");
+
+    // An error inside a list names the item.
+    let bad = write(
+        &dir,
+        "bad.yaml",
+        "apiVersion: v1\nkind: List\nitems:\n- apiVersion: resource.k8s.io/v1\n  kind: DeviceClass\n  metadata: {name: a}\n- apiVersion: v1\n  kind: Pod\n",
+    );
+    let err = load_yaml_documents(&bad).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::UnknownKind {
+                index: 0,
+                item: Some(1),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("document 0 item 1:"), "{err}");
+
+    let not_list = write(&dir, "nl.yaml", "apiVersion: v1\nkind: List\nitems: 3\n");
+    let err = load_yaml_documents(&not_list).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{} document 0 (List): items: not a list",
+            not_list.display()
+        )
+    );
 }

@@ -1883,8 +1883,15 @@ impl Search<'_, '_, '_> {
         if !r.admin
             && let Some(holders) = self.view.committed.exclusive.get(&cand.key)
         {
-            return Ok(Some(Reason::InUse {
-                holders: holders.clone(),
+            // A false selector is the decisive reason: freeing the device would
+            // not help. The scheduler skips an allocated device before it
+            // evaluates selectors, so a selector that fails to evaluate on it
+            // is no error here, and the device is reported in use.
+            return Ok(Some(match self.first_false_selector(c, r) {
+                Ok(Some(selector)) => selector,
+                Ok(None) | Err(_) => Reason::InUse {
+                    holders: holders.clone(),
+                },
             }));
         }
         if let Some(reason) = self.first_false_selector(c, r)? {

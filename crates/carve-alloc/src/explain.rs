@@ -265,6 +265,109 @@ impl fmt::Display for Reason {
     }
 }
 
+impl Reason {
+    /// The rank of a reason: what no change of occupancy can help (selectors,
+    /// taints) comes first, what other claims hold comes last.
+    fn rank(&self) -> u8 {
+        match self {
+            Reason::ClassSelector { .. } | Reason::RequestSelector { .. } => 0,
+            Reason::Taint { .. } => 1,
+            Reason::Capacity { .. } => 2,
+            Reason::Counter { .. } => 3,
+            Reason::InUse { .. } => 4,
+        }
+    }
+
+    /// The reason without what differs from device to device (the counter
+    /// set, amounts left, holders): rejections with the same summary form one
+    /// group.
+    fn summary(&self) -> String {
+        match self {
+            Reason::InUse { .. } => "in use by other claims".into(),
+            Reason::ClassSelector { .. }
+            | Reason::RequestSelector { .. }
+            | Reason::Taint { .. } => self.to_string(),
+            Reason::Counter { counter, .. } => format!("counter {counter} exhausted"),
+            Reason::Capacity {
+                capacity, detail, ..
+            } => format!("capacity {capacity}: {detail}"),
+        }
+    }
+}
+
+impl Reason {
+    /// The claims whose release would help, where the reason has any.
+    fn holders(&self) -> &[String] {
+        match self {
+            Reason::InUse { holders }
+            | Reason::Counter { holders, .. }
+            | Reason::Capacity { holders, .. } => holders,
+            _ => &[],
+        }
+    }
+}
+
+/// The physical GPU of a carve device name (`gpu-3-mig-...` -> `gpu-3`), or
+/// the pool for other devices.
+fn gpu_of(device: &str) -> &str {
+    let (pool, name) = device.rsplit_once('/').unwrap_or(("", device));
+    match name.strip_prefix("gpu-") {
+        Some(rest) => {
+            let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+            if digits == 0 {
+                return pool;
+            }
+            &name[..4 + digits]
+        }
+        None => pool,
+    }
+}
+
+/// One line per kind of rejection: the reason, how many devices, on which
+/// GPUs; devices listed only in the alternate form.
+fn write_groups(f: &mut fmt::Formatter<'_>, rejected: &[Rejection]) -> fmt::Result {
+    let mut groups: Vec<(u8, String, Vec<&Rejection>)> = Vec::new();
+    for rej in rejected {
+        let summary = rej.reason.summary();
+        match groups.iter_mut().find(|g| g.1 == summary) {
+            Some(g) => g.2.push(rej),
+            None => groups.push((rej.reason.rank(), summary, vec![rej])),
+        }
+    }
+    groups.sort_by_key(|g| g.0);
+    for (_, summary, members) in &groups {
+        let mut per_gpu: Vec<(&str, usize)> = Vec::new();
+        for m in members {
+            let g = gpu_of(&m.device);
+            match per_gpu.iter_mut().find(|p| p.0 == g) {
+                Some(p) => p.1 += 1,
+                None => per_gpu.push((g, 1)),
+            }
+        }
+        let spread: Vec<String> = per_gpu.iter().map(|(g, n)| format!("{g} {n}")).collect();
+        let mut holders: Vec<&str> = Vec::new();
+        for h in members.iter().flat_map(|m| m.reason.holders()) {
+            if !holders.contains(&h.as_str()) {
+                holders.push(h);
+            }
+        }
+        write!(
+            f,
+            "    {} device(s): {summary} [{}]",
+            members.len(),
+            spread.join(", ")
+        )?;
+        if !holders.is_empty() {
+            write!(f, "; held by {}", holders.join(", "))?;
+        }
+        writeln!(f)?;
+    }
+    Ok(())
+}
+
+/// Text form: one line per reason, decisive reasons first, with device
+/// counts per GPU; the alternate form (`{:#}`) lists every rejected device
+/// with its full reason.
 impl fmt::Display for Explanation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "claim {} does not fit on node {}", self.claim, self.node)?;
@@ -285,8 +388,12 @@ impl fmt::Display for Explanation {
                     format!(": {}", r.candidates.join(", "))
                 }
             )?;
-            for rej in &r.rejected {
-                writeln!(f, "    {}: {}", rej.device, rej.reason)?;
+            if f.alternate() {
+                for rej in &r.rejected {
+                    writeln!(f, "    {}: {}", rej.device, rej.reason)?;
+                }
+            } else {
+                write_groups(f, &r.rejected)?;
             }
         }
         for c in &self.combination {
@@ -299,5 +406,82 @@ impl fmt::Display for Explanation {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rej(device: &str, reason: Reason) -> Rejection {
+        Rejection {
+            device: device.into(),
+            reason,
+        }
+    }
+
+    #[test]
+    fn rejections_are_grouped_decisive_reason_first_with_counts_per_gpu() {
+        let selector = Reason::RequestSelector {
+            index: 0,
+            expression: "x".into(),
+        };
+        let counter = |set: &str| Reason::Counter {
+            counter_set: set.into(),
+            counter: "memory-slices".into(),
+            needs: "1".into(),
+            available: "0".into(),
+            holders: vec![],
+        };
+        let e = Explanation {
+            claim: "default/c".into(),
+            node: "n".into(),
+            unusable_pools: vec![],
+            requests: vec![RequestExplanation {
+                request: "gpu".into(),
+                class: "mig".into(),
+                wanted: "1".into(),
+                candidates: vec![],
+                rejected: vec![
+                    rej("n/gpu-0-mig-1g10gb-0", counter("gpu-0-counters")),
+                    rej("n/gpu-0-mig-1g10gb-1", counter("gpu-0-counters")),
+                    rej("n/gpu-1-mig-1g10gb-0", counter("gpu-1-counters")),
+                    rej(
+                        "n/gpu-12",
+                        Reason::InUse {
+                            holders: vec!["default/a".into()],
+                        },
+                    ),
+                    rej("n/gpu-1-mps", selector.clone()),
+                ],
+            }],
+            combination: vec![],
+            suggestions: vec![],
+        };
+        let text = e.to_string();
+        let lines: Vec<&str> = text.lines().skip(2).collect();
+        assert_eq!(
+            lines,
+            [
+                "    1 device(s): request selector #0 is false: x [gpu-1 1]",
+                "    3 device(s): counter memory-slices exhausted [gpu-0 2, gpu-1 1]",
+                "    1 device(s): in use by other claims [gpu-12 1]; held by default/a",
+            ],
+            "{text}"
+        );
+        let all = format!("{e:#}");
+        assert!(
+            all.contains("    n/gpu-1-mps: request selector #0 is false: x\n"),
+            "{all}"
+        );
+        assert_eq!(all.lines().count(), 2 + 5, "{all}");
+    }
+
+    #[test]
+    fn gpu_of_reads_carve_names_and_falls_back_to_the_pool() {
+        assert_eq!(gpu_of("node/gpu-3-mig-1g10gb-0"), "gpu-3");
+        assert_eq!(gpu_of("node/gpu-10"), "gpu-10");
+        assert_eq!(gpu_of("pool/other"), "pool");
+        assert_eq!(gpu_of("pool/gpu-x"), "pool");
     }
 }

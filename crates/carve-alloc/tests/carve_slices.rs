@@ -99,8 +99,7 @@ fn sharing_examples_fit_carve_sharing_devices() {
         other => panic!("{other:?}"),
     };
     assert!(
-        e.to_string()
-            .contains("gpu-1-mps: request selector #0 is false"),
+        format!("{e:#}").contains("gpu-1-mps: request selector #0 is false"),
         "{e}"
     );
     // With the MPS share committed, the whole gpu-1 and its partitions are out.

@@ -153,7 +153,7 @@ fn examples_allocated_one_after_another_fill_the_node() {
     let carve_alloc::AllocError::Unsatisfiable(e) = err else {
         panic!("{err}")
     };
-    let text = e.to_string();
+    let text = format!("{e:#}");
     assert!(
         text.contains("gpu-2-mps: counter gpu-2/memory-slice-0 exhausted"),
         "{text}"

@@ -25,9 +25,14 @@ pub struct ExplainArgs {
     /// Node name (defaults to the node of the first slice).
     #[arg(long)]
     pub node: Option<String>,
-    /// Print the explanation as JSON.
+    /// Print the result as JSON (the allocation when the claim fits, the
+    /// explanation when it does not).
     #[arg(long)]
     pub json: bool,
+    /// List every rejected device with its reason, instead of one line per
+    /// reason with device counts per GPU.
+    #[arg(long)]
+    pub devices: bool,
 }
 
 fn embedded_classes() -> anyhow::Result<Vec<Object>> {
@@ -94,11 +99,14 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     let mut objects = match &args.slices {
         Some(p) => carve_alloc::load_yaml_documents(p)?,
         None => {
-            let sargs = crate::slices::SlicesArgs::simulated(
-                &args.simulate_gpus,
-                carve_apiserver::KubeVersion::default(),
-                args.node.as_deref().unwrap_or("sim-node"),
-            );
+            let sargs = crate::slices::SlicesArgs {
+                gpus_flag: "--simulate-gpus",
+                ..crate::slices::SlicesArgs::simulated(
+                    &args.simulate_gpus,
+                    carve_apiserver::KubeVersion::default(),
+                    args.node.as_deref().unwrap_or("sim-node"),
+                )
+            };
             crate::slices::build(&sargs)?
                 .into_iter()
                 .map(Object::Slice)
@@ -123,6 +131,20 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     let alloc = Allocator::new(&inputs)?;
     let name = claim.metadata.name.clone().unwrap_or_default();
     match alloc.allocate(&claim, &node) {
+        Ok(result) if args.json => {
+            let results: Vec<_> = result
+                .devices
+                .iter()
+                .flat_map(|d| d.results.iter().flatten())
+                .collect();
+            let json = serde_json::json!({
+                "claim": name,
+                "node": node,
+                "fits": true,
+                "results": results,
+            });
+            Ok((serde_json::to_string_pretty(&json)? + "\n", true))
+        }
         Ok(result) => {
             let mut out = format!("claim {name} fits on node {node}:\n");
             for r in result
@@ -146,6 +168,8 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
         Err(carve_alloc::AllocError::Unsatisfiable(expl)) => {
             let text = if args.json {
                 serde_json::to_string_pretty(&expl)? + "\n"
+            } else if args.devices {
+                format!("{expl:#}")
             } else {
                 expl.to_string()
             };
@@ -172,6 +196,7 @@ mod tests {
             simulate_gpus: gpus.into(),
             node: None,
             json: false,
+            devices: false,
         }
     }
 

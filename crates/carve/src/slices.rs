@@ -44,6 +44,9 @@ pub struct SlicesArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
     #[arg(long, default_value = "h100-80gb:8")]
     pub gpus: String,
+    /// The flag that gave `gpus`, for errors (`--simulate-gpus` in `explain`).
+    #[arg(skip = "--gpus")]
+    pub gpus_flag: &'static str,
     /// Read this node's GPUs through NVML instead of simulating `--gpus`: what the
     /// kubelet plugin would publish here, with its inventory rules. Read-only:
     /// nothing on the GPUs changes.
@@ -74,6 +77,7 @@ impl SlicesArgs {
     pub fn simulated(gpus: &str, kube_version: carve_apiserver::KubeVersion, node: &str) -> Self {
         SlicesArgs {
             gpus: gpus.into(),
+            gpus_flag: "--gpus",
             from_nvml: false,
             nvml: crate::NvmlArgs {
                 nvml_lib: "libnvidia-ml.so.1".into(),
@@ -98,7 +102,7 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
         crate::plugin::inventory(&backend, &args.mig_policy)?.gpus
     } else {
         let models = slices::parse_gpu_spec(&args.gpus)
-            .with_context(|| format!("--gpus {:?}", args.gpus))?;
+            .with_context(|| format!("{} {:?}", args.gpus_flag, args.gpus))?;
         slices::simulated_gpus(&models)?
             .into_iter()
             .map(NodeGpu::dynamic)

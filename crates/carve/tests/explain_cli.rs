@@ -1,0 +1,186 @@
+//! `carve explain` run as a user runs it: what they see on stdout and stderr,
+//! and the exit status.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn carve(args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(args)
+        .output()
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn example(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples")
+        .join(name)
+        .join("claim.yaml")
+        .to_string_lossy()
+        .into_owned()
+}
+
+const MIG_CLAIM: &str = "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: c, namespace: default}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig.gpu.carve.dev\n        SELECTORS:\n        - cel: {expression: 'device.attributes[\"gpu.carve.dev\"].profile == \"7g.80gb\"'}\n";
+
+#[test]
+fn a_typo_in_a_claim_is_an_error_naming_the_field_not_a_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(
+        dir.path(),
+        "typo.yaml",
+        &MIG_CLAIM.replace("SELECTORS", "selector"),
+    );
+    let r = carve(&[
+        "explain",
+        p.to_str().unwrap(),
+        "--simulate-gpus",
+        "a100-40gb:1",
+    ]);
+    assert_ne!(r.code, 0, "{}", r.stdout);
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+    assert!(
+        r.stderr
+            .contains("unknown field \"spec.devices.requests.0.exactly.selector\""),
+        "{}",
+        r.stderr
+    );
+    // Spelled right, the selector applies: no 7g.80gb on an A100-40GB.
+    let ok = write(
+        dir.path(),
+        "ok.yaml",
+        &MIG_CLAIM.replace("SELECTORS", "selectors"),
+    );
+    let r = carve(&[
+        "explain",
+        ok.to_str().unwrap(),
+        "--simulate-gpus",
+        "a100-40gb:1",
+    ]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("does not fit"), "{}", r.stdout);
+}
+
+#[test]
+fn rejections_are_one_line_per_reason_and_devices_only_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(
+        dir.path(),
+        "c.yaml",
+        &MIG_CLAIM
+            .replace("SELECTORS", "selectors")
+            .replace("7g.80gb", "9g.999gb"),
+    );
+    let path = p.to_str().unwrap();
+    let grouped = carve(&["explain", path, "--simulate-gpus", "h200:8"]);
+    assert_eq!(grouped.code, 1, "{}", grouped.stderr);
+    let reason_lines: Vec<&str> = grouped
+        .stdout
+        .lines()
+        .filter(|l| l.contains("device(s):"))
+        .collect();
+    // The MIG placements the selector rejects, and the whole GPUs the class
+    // rejects: two lines for 208 devices, each with its count per GPU.
+    assert_eq!(reason_lines.len(), 2, "{}", grouped.stdout);
+    assert!(
+        reason_lines[0].contains("200 device(s): request selector #0 is false")
+            && reason_lines[0].contains("gpu-0 25, ")
+            && reason_lines[0].contains("gpu-7 25]"),
+        "{}",
+        grouped.stdout
+    );
+    assert!(
+        reason_lines[1].contains("8 device(s): class mig.gpu.carve.dev selector #0 is false"),
+        "{}",
+        grouped.stdout
+    );
+    assert!(grouped.stdout.lines().count() < 10, "{}", grouped.stdout);
+
+    let listed = carve(&["explain", path, "--simulate-gpus", "h200:8", "--devices"]);
+    assert_eq!(listed.code, 1);
+    let device_lines = listed
+        .stdout
+        .lines()
+        .filter(|l| l.contains(": request selector #0 is false"))
+        .count();
+    assert!(device_lines > 100, "{}", listed.stdout);
+}
+
+#[test]
+fn json_is_printed_when_the_claim_fits_too() {
+    let r = carve(&[
+        "explain",
+        &example("mig-1g"),
+        "--simulate-gpus",
+        "h100-80gb:1",
+        "--json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect(&r.stdout);
+    assert_eq!(v["fits"], true);
+    assert!(
+        v["results"][0]["device"]
+            .as_str()
+            .unwrap()
+            .starts_with("gpu-0-mig-1g10gb-"),
+        "{v}"
+    );
+}
+
+#[test]
+fn a_bad_simulated_node_names_the_flag_the_user_gave() {
+    let r = carve(&["explain", &example("mig-1g"), "--simulate-gpus", "h999:1"]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("--simulate-gpus \"h999:1\""),
+        "{}",
+        r.stderr
+    );
+    assert!(!r.stderr.contains("--gpus "), "{}", r.stderr);
+}
+
+#[test]
+fn the_template_that_advise_prints_can_be_explained() {
+    let advice = carve(&[
+        "advise",
+        "--contention",
+        "no",
+        "--fault-isolation",
+        "yes",
+        "--sizes",
+        "0.1",
+    ]);
+    assert_eq!(advice.code, 0, "{}", advice.stderr);
+    let yaml = advice
+        .stdout
+        .split_once("# use:\n")
+        .map(|(_, y)| y)
+        .unwrap_or_else(|| panic!("no template in:\n{}", advice.stdout));
+    assert!(yaml.contains("kind: ResourceClaimTemplate"), "{yaml}");
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(dir.path(), "t.yaml", yaml);
+    let r = carve(&[
+        "explain",
+        p.to_str().unwrap(),
+        "--simulate-gpus",
+        "h100-80gb:1",
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("fits on node"), "{}", r.stdout);
+}

@@ -85,7 +85,24 @@ pub fn defrag(args: &DefragArgs) -> anyhow::Result<String> {
             .next()
             .with_context(|| format!("{}: no node in the state", args.state.display()))?,
     };
-    let plan = carve_alloc::plan_defrag(&inputs, &claim, &node)?;
+    let plan = match carve_alloc::plan_defrag(&inputs, &claim, &node) {
+        // Nothing to move is a good answer, not a failure.
+        Err(carve_alloc::AllocError::AlreadyFits {
+            claim,
+            node,
+            devices,
+        }) if args.json => {
+            let json = serde_json::json!({
+                "claim": claim,
+                "node": node,
+                "alreadyFits": true,
+                "devices": devices,
+            });
+            return Ok(serde_json::to_string_pretty(&json)? + "\n");
+        }
+        Err(e @ carve_alloc::AllocError::AlreadyFits { .. }) => return Ok(format!("{e}\n")),
+        other => other?,
+    };
     Ok(if args.json {
         serde_json::to_string_pretty(&plan)? + "\n"
     } else {

@@ -163,6 +163,14 @@ pub enum SimSharing {
     None,
 }
 
+fn sharing_list(kinds: &[SimSharing]) -> String {
+    kinds
+        .iter()
+        .map(|k| k.flag().unwrap_or("none"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 impl SimSharing {
     fn flag(self) -> Option<&'static str> {
         match self {
@@ -235,6 +243,12 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
         slices::parse_gpu_spec(&args.gpus).with_context(|| format!("--gpus {:?}", args.gpus))?;
     KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)
         .with_context(|| format!("--kube-version {}", args.kube_version))?;
+    if args.sharing.contains(&SimSharing::None) && args.sharing.len() > 1 {
+        bail!(
+            "--sharing none cannot be combined with other kinds (got {})",
+            sharing_list(&args.sharing)
+        );
+    }
     let set = load_claims(args.claims.as_deref())?;
     if let Some(svg) = &args.svg {
         check_output_dir(svg)?;

@@ -1,5 +1,5 @@
-//! `carve explain` run as a user runs it: what they see on stdout and stderr,
-//! and the exit status.
+//! The offline commands (`explain`, `defrag`, `advise`, `simulate`'s flags) run as a
+//! user runs them: what they see on stdout and stderr, and the exit status.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -183,4 +183,49 @@ fn the_template_that_advise_prints_can_be_explained() {
     ]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("fits on node"), "{}", r.stdout);
+}
+
+#[test]
+fn defrag_of_a_claim_that_already_fits_says_so_and_succeeds() {
+    // The state: an empty simulated node, as `carve slices` prints it.
+    let dir = tempfile::tempdir().unwrap();
+    let slices = carve(&["slices", "--gpus", "h100-80gb:1"]);
+    assert_eq!(slices.code, 0, "{}", slices.stderr);
+    let state = write(dir.path(), "state.yaml", &slices.stdout);
+    let r = carve(&[
+        "defrag",
+        "--state",
+        state.to_str().unwrap(),
+        "--request",
+        &example("mig-1g"),
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("already fits") && r.stdout.contains("nothing to do"),
+        "{}",
+        r.stdout
+    );
+    let r = carve(&[
+        "defrag",
+        "--state",
+        state.to_str().unwrap(),
+        "--request",
+        &example("mig-1g"),
+        "--json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect(&r.stdout);
+    assert_eq!(v["alreadyFits"], true, "{v}");
+}
+
+#[test]
+fn simulate_refuses_none_beside_other_sharing_kinds() {
+    let r = carve(&["simulate", "--sharing", "none,mps"]);
+    assert_ne!(r.code, 0, "{}", r.stdout);
+    assert!(
+        r.stderr
+            .contains("--sharing none cannot be combined with other kinds (got none,mps)"),
+        "{}",
+        r.stderr
+    );
 }

@@ -8,13 +8,17 @@
 //!    fatal fault reaches every client of the server; under time-slicing contexts
 //!    are isolated but share the GPU's time; MIG isolates faults per instance.
 //! 3. Does the request-size mix fit the fixed MIG profiles? Computed: each size is
-//!    rounded up to the smallest profile covering its compute share; the overhead
-//!    is granted / requested compute slices.
+//!    rounded up to the smallest profile covering its compute share, and the
+//!    profiles are packed onto GPUs at real placements (first fit, largest
+//!    first), since profiles that each fit may not fit one GPU together (1g +
+//!    7g). The overhead is the larger of granted / requested compute slices and
+//!    GPUs used / GPUs the sizes add up to.
 
 use std::collections::BTreeMap;
-use std::fmt::{self, Write as _};
+use std::fmt;
 
 use carve_model::GpuSpec;
+use carve_model::geometry::{Instance, Occupancy};
 
 /// An answer to a yes/no question; `Unknown` is treated as the safe answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -40,29 +44,66 @@ pub struct MigFit {
     pub requested: f64,
     /// Compute slices granted after rounding up to profiles.
     pub granted: f64,
-    /// Requests per profile.
-    pub per_profile: BTreeMap<String, usize>,
+    /// The sizes each profile serves (one template per profile).
+    pub per_profile: BTreeMap<String, Vec<f64>>,
+    /// GPUs the profiles pack onto at real placements.
+    pub gpus: usize,
+    /// GPUs the sizes add up to (the fewest any sharing could use).
+    pub min_gpus: usize,
 }
 
 impl MigFit {
-    /// granted / requested.
+    /// The larger of granted / requested compute slices and GPUs used / GPUs
+    /// the sizes add up to: what MIG costs over sharing at fine granularity.
     #[must_use]
     pub fn overhead(&self) -> f64 {
-        if self.requested == 0.0 {
+        let rounding = if self.requested == 0.0 {
             1.0
         } else {
             self.granted / self.requested
+        };
+        let packing = self.gpus as f64 / self.min_gpus.max(1) as f64;
+        rounding.max(packing)
+    }
+}
+
+/// Packs instances of the given profiles (positions in `spec.profiles`),
+/// largest first, each at the first placement free on the first GPU that has
+/// one; returns the number of GPUs used.
+fn pack(spec: &GpuSpec, mut profiles: Vec<usize>) -> usize {
+    profiles.sort_by_key(|&p| {
+        std::cmp::Reverse((
+            spec.profiles[p].memory_slices,
+            spec.profiles[p].compute_slices,
+        ))
+    });
+    let mut gpus: Vec<Occupancy<'_>> = Vec::new();
+    for p in profiles {
+        let at = |occ: &Occupancy<'_>| {
+            spec.profiles[p]
+                .placements
+                .iter()
+                .map(|pl| Instance {
+                    profile: p,
+                    start: pl.start,
+                })
+                .find(|&i| occ.fits(i))
+        };
+        let placed = gpus
+            .iter_mut()
+            .find_map(|occ| at(occ).map(|i| (occ, i)))
+            .map(|(occ, i)| occ.place(i).is_ok())
+            .unwrap_or(false);
+        if !placed {
+            let mut fresh = Occupancy::new(spec);
+            if let Some(i) = at(&fresh) {
+                // A profile always fits an empty GPU at one of its placements.
+                let _ = fresh.place(i);
+            }
+            gpus.push(fresh);
         }
     }
-
-    /// The profile most requests map to.
-    #[must_use]
-    pub fn most_common(&self) -> Option<&str> {
-        self.per_profile
-            .iter()
-            .max_by_key(|(_, n)| **n)
-            .map(|(p, _)| p.as_str())
-    }
+    gpus.len()
 }
 
 /// What is wrong with the advisor's input.
@@ -91,30 +132,40 @@ pub fn mig_fit(spec: &GpuSpec, sizes: &[f64]) -> Result<MigFit, AdviseError> {
         return Err(AdviseError::NotMig(spec.product_name.clone()));
     }
     let total = f64::from(spec.compute_slices);
-    let mut profiles: Vec<_> = spec
-        .profiles
-        .iter()
-        .filter(|p| !p.media_extensions)
+    let mut profiles: Vec<usize> = (0..spec.profiles.len())
+        .filter(|&i| !spec.profiles[i].media_extensions)
         .collect();
-    profiles.sort_by_key(|p| (p.compute_slices, p.memory_slices));
+    profiles.sort_by_key(|&i| {
+        (
+            spec.profiles[i].compute_slices,
+            spec.profiles[i].memory_slices,
+        )
+    });
     let mut fit = MigFit {
         requested: 0.0,
         granted: 0.0,
         per_profile: BTreeMap::new(),
+        gpus: 0,
+        min_gpus: 0,
     };
+    let mut chosen = Vec::with_capacity(sizes.len());
     for &s in sizes {
         if !(s > 0.0 && s <= 1.0) {
             return Err(AdviseError::BadSize(s));
         }
         let need = s * total;
-        let p = profiles
+        let i = *profiles
             .iter()
-            .find(|p| f64::from(p.compute_slices) + 1e-9 >= need)
+            .find(|&&i| f64::from(spec.profiles[i].compute_slices) + 1e-9 >= need)
             .ok_or(AdviseError::BadSize(s))?;
+        let p = &spec.profiles[i];
         fit.requested += need;
         fit.granted += f64::from(p.compute_slices);
-        *fit.per_profile.entry(p.name.clone()).or_default() += 1;
+        fit.per_profile.entry(p.name.clone()).or_default().push(s);
+        chosen.push(i);
     }
+    fit.gpus = pack(spec, chosen);
+    fit.min_gpus = (sizes.iter().sum::<f64>() - 1e-9).ceil().max(1.0) as usize;
     Ok(fit)
 }
 
@@ -205,30 +256,55 @@ pub fn advise(
     })
 }
 
+/// One ResourceClaimTemplate per size class: per MIG profile, per MPS share
+/// size (each tenant gets what its size needs, rounded up), or one for
+/// time-slicing.
 fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> String {
-    let mut y = String::from(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: gpu-share\nspec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n",
-    );
+    let template = |name: &str, serves: &str, body: &str| {
+        format!(
+            "# for {serves}\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: {name}\nspec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n{body}"
+        )
+    };
+    let sizes_of = |v: &[f64]| {
+        let list: Vec<String> = v.iter().map(|s| format!("{s}")).collect();
+        format!("size(s) {}", list.join(", "))
+    };
+    let mut docs = Vec::new();
     match sharing {
         Sharing::Mig => {
-            let p = fit.most_common().unwrap_or("1g.10gb");
-            let _ = write!(
-                y,
-                "          deviceClassName: mig.gpu.carve.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].profile == \"{p}\"\n"
-            );
+            for (p, served) in &fit.per_profile {
+                docs.push(template(
+                    &format!("mig-{}", p.replace('.', "-")),
+                    &sizes_of(served),
+                    &format!(
+                        "          deviceClassName: mig.gpu.carve.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].profile == \"{p}\"\n"
+                    ),
+                ));
+            }
         }
         Sharing::MpsHard => {
-            let mean = sizes.iter().sum::<f64>() / sizes.len().max(1) as f64;
-            let mem_gib = ((spec.memory_mib as f64 * mean) / 1024.0).ceil();
-            let sms = (f64::from(spec.multiprocessors) * mean).ceil();
-            let _ = write!(
-                y,
-                "          deviceClassName: mps.gpu.carve.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].mpsMemoryLimit == \"hard\"\n          capacity:\n            requests:\n              memory: {mem_gib}Gi\n              multiprocessors: \"{sms}\"\n"
-            );
+            let mut classes: Vec<f64> = sizes.to_vec();
+            classes.sort_by(f64::total_cmp);
+            classes.dedup();
+            for s in classes {
+                let mem_gib = ((spec.memory_mib as f64 * s) / 1024.0).ceil();
+                let sms = (f64::from(spec.multiprocessors) * s).ceil();
+                docs.push(template(
+                    &format!("mps-{:.0}pct", s * 100.0),
+                    &sizes_of(&[s]),
+                    &format!(
+                        "          deviceClassName: mps.gpu.carve.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].mpsMemoryLimit == \"hard\"\n          capacity:\n            requests:\n              memory: {mem_gib}Gi\n              multiprocessors: \"{sms}\"\n"
+                    ),
+                ));
+            }
         }
-        Sharing::TimeSlice => y.push_str("          deviceClassName: timeslice.gpu.carve.dev\n"),
+        Sharing::TimeSlice => docs.push(template(
+            "timeslice",
+            "every size (time-slicing has no per-tenant size)",
+            "          deviceClassName: timeslice.gpu.carve.dev\n",
+        )),
     }
-    y
+    docs.join("---\n")
 }
 
 impl fmt::Display for Advice {
@@ -249,10 +325,19 @@ impl fmt::Display for Advice {
             self.fit.granted,
             self.fit.overhead()
         )?;
-        for (p, n) in &self.fit.per_profile {
-            write!(f, " {p}×{n}")?;
+        for (p, served) in &self.fit.per_profile {
+            write!(f, " {p}×{}", served.len())?;
         }
-        writeln!(f, "\n\n# use:\n{}", self.yaml)
+        write!(
+            f,
+            "; packed at real placements onto {} GPU(s), the sizes add up to {}",
+            self.fit.gpus, self.fit.min_gpus
+        )?;
+        writeln!(
+            f,
+            "\n\n# use (one ResourceClaimTemplate per size class):\n{}",
+            self.yaml
+        )
     }
 }
 
@@ -268,12 +353,56 @@ mod tests {
     #[test]
     fn sizes_map_to_smallest_covering_profile() {
         let f = mig_fit(&h100(), &[0.1, 0.25, 0.4, 0.5, 0.81]).unwrap();
-        assert_eq!(f.per_profile.get("1g.10gb"), Some(&1));
-        assert_eq!(f.per_profile.get("2g.20gb"), Some(&1));
-        assert_eq!(f.per_profile.get("3g.40gb"), Some(&1));
-        assert_eq!(f.per_profile.get("4g.40gb"), Some(&1));
-        assert_eq!(f.per_profile.get("7g.80gb"), Some(&1));
+        assert_eq!(f.per_profile.get("1g.10gb"), Some(&vec![0.1]));
+        assert_eq!(f.per_profile.get("2g.20gb"), Some(&vec![0.25]));
+        assert_eq!(f.per_profile.get("3g.40gb"), Some(&vec![0.4]));
+        assert_eq!(f.per_profile.get("4g.40gb"), Some(&vec![0.5]));
+        assert_eq!(f.per_profile.get("7g.80gb"), Some(&vec![0.81]));
         assert!((f.granted - 17.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn profiles_that_cannot_share_a_gpu_count_as_the_gpus_they_take() {
+        // 1g + 7g: each fits, but the 7g takes every memory slice, so two GPUs
+        // for what adds up to one.
+        let f = mig_fit(&h100(), &[0.1, 0.9]).unwrap();
+        assert_eq!((f.gpus, f.min_gpus), (2, 1));
+        assert!((f.overhead() - 2.0).abs() < 1e-9, "{}", f.overhead());
+        let a = advise(&h100(), Answer::No, Answer::No, &[0.1, 0.9], false).unwrap();
+        assert_ne!(a.sharing, Sharing::Mig, "{:?}", a.reasons);
+        // 1g + 2g + 3g share one H100 (6 of 7 compute slices, 7 of 8 memory slices).
+        let f = mig_fit(&h100(), &[0.1, 0.25, 0.4]).unwrap();
+        assert_eq!((f.gpus, f.min_gpus), (1, 1));
+    }
+
+    #[test]
+    fn every_size_class_gets_a_template_that_covers_it() {
+        // MPS: one template per size, each as large as its tenant needs (a
+        // template at the mean would leave the 0.3 tenant short).
+        let a = advise(&h100(), Answer::No, Answer::No, &[0.1, 0.25, 0.3], false).unwrap();
+        assert_eq!(a.sharing, Sharing::MpsHard);
+        assert_eq!(
+            a.yaml.matches("kind: ResourceClaimTemplate").count(),
+            3,
+            "{}",
+            a.yaml
+        );
+        let spec = h100();
+        let sms = (f64::from(spec.multiprocessors) * 0.3).ceil();
+        let gib = (spec.memory_mib as f64 * 0.3 / 1024.0).ceil();
+        assert!(a.yaml.contains("name: mps-30pct"), "{}", a.yaml);
+        assert!(
+            a.yaml.contains(&format!(
+                "memory: {gib}Gi\n              multiprocessors: \"{sms}\""
+            )),
+            "{}",
+            a.yaml
+        );
+        // MIG: one template per profile, not only the most common one.
+        let m = advise(&h100(), Answer::No, Answer::Yes, &[0.1, 0.5], false).unwrap();
+        assert_eq!(m.sharing, Sharing::Mig);
+        assert!(m.yaml.contains("profile == \"1g.10gb\""), "{}", m.yaml);
+        assert!(m.yaml.contains("profile == \"4g.40gb\""), "{}", m.yaml);
     }
 
     #[test]

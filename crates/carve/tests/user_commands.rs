@@ -169,7 +169,7 @@ fn the_template_that_advise_prints_can_be_explained() {
     assert_eq!(advice.code, 0, "{}", advice.stderr);
     let yaml = advice
         .stdout
-        .split_once("# use:\n")
+        .split_once("# use (one ResourceClaimTemplate per size class):\n")
         .map(|(_, y)| y)
         .unwrap_or_else(|| panic!("no template in:\n{}", advice.stdout));
     assert!(yaml.contains("kind: ResourceClaimTemplate"), "{yaml}");

@@ -17,6 +17,9 @@ pub struct Held {
     pub profile: String,
     /// Placement start.
     pub start: u8,
+    /// The instance is shared through MPS (a `mig-mps` device), however many
+    /// shares it has now.
+    pub shared: bool,
 }
 
 /// What one GPU looks like.
@@ -173,10 +176,70 @@ fn letter(k: usize) -> char {
     char::from(b'A' + u8::try_from(k % 26).unwrap_or(0))
 }
 
-const COLORS: &[&str] = &[
-    "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-    "#9c755f",
-];
+/// What a block of the picture is; each kind has one colour, the legend
+/// lists them in this order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Mig,
+    MigMps,
+    Whole,
+    WholeMps,
+    Timeslice,
+    Free,
+    Stranded,
+}
+
+impl Kind {
+    const ALL: [Kind; 7] = [
+        Kind::Mig,
+        Kind::MigMps,
+        Kind::Whole,
+        Kind::WholeMps,
+        Kind::Timeslice,
+        Kind::Free,
+        Kind::Stranded,
+    ];
+
+    fn fill(self) -> &'static str {
+        match self {
+            Kind::Mig => "#4e79a7",
+            Kind::MigMps => "#b07aa1",
+            Kind::Whole => "#59a14f",
+            Kind::WholeMps => "#f28e2b",
+            Kind::Timeslice => "#edc948",
+            Kind::Free => "#e6e6e6",
+            Kind::Stranded => "url(#stranded)",
+        }
+    }
+
+    /// Label colour that reads on the fill.
+    fn ink(self) -> &'static str {
+        match self {
+            Kind::Mig | Kind::MigMps | Kind::Whole => "#ffffff",
+            _ => "#222222",
+        }
+    }
+
+    fn legend(self) -> &'static str {
+        match self {
+            Kind::Mig => "MIG instance",
+            Kind::MigMps => "MIG instance shared through MPS",
+            Kind::Whole => "whole GPU",
+            Kind::WholeMps => "whole GPU shared through MPS",
+            Kind::Timeslice => "whole GPU, time-sliced",
+            Kind::Free => "free",
+            Kind::Stranded => "stranded: free, but no profile fits",
+        }
+    }
+
+    fn of_whole(w: &Whole) -> Kind {
+        match w.sharing {
+            Sharing::Exclusive => Kind::Whole,
+            Sharing::Mps => Kind::WholeMps,
+            Sharing::Timeslice => Kind::Timeslice,
+        }
+    }
+}
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
@@ -185,70 +248,175 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-/// An SVG of every GPU, one row each.
+/// Width of one character of the picture's 12 px monospace font.
+const CHAR_W: f64 = 7.3;
+
+/// `text` cut to what fits in `width` pixels, with an ellipsis where cut.
+fn fit_label(text: &str, width: f64) -> String {
+    let room = ((width - 10.0) / CHAR_W).floor().max(0.0) as usize;
+    if text.chars().count() <= room {
+        return text.to_string();
+    }
+    if room < 2 {
+        return String::new();
+    }
+    let mut cut: String = text.chars().take(room - 1).collect();
+    cut.push('\u{2026}');
+    cut
+}
+
+/// One block of a row: `slices` memory slices from `first`, of one kind,
+/// with up to two label lines.
+struct Block {
+    first: usize,
+    slices: usize,
+    kind: Kind,
+    lines: Vec<String>,
+}
+
+impl GpuPicture {
+    /// The row's blocks, left to right: each instance one block across its
+    /// slices, each free or stranded slice a block of its own, a whole GPU one
+    /// block across the row.
+    fn blocks(&self) -> Vec<Block> {
+        if let Some(w) = &self.whole {
+            return vec![Block {
+                first: 0,
+                slices: usize::from(self.spec.memory_slices).max(1),
+                kind: Kind::of_whole(w),
+                lines: vec![w.describe()],
+            }];
+        }
+        if !self.spec.mig_capable {
+            return vec![Block {
+                first: 0,
+                slices: 1,
+                kind: Kind::Free,
+                lines: vec!["free (not MIG-capable)".into()],
+            }];
+        }
+        let (cells, _) = self.cells();
+        let mut out: Vec<Block> = Vec::new();
+        for (i, c) in cells.iter().enumerate() {
+            match c {
+                Cell::Held(k) => {
+                    if let Some(b) = out.last_mut()
+                        && b.first + b.slices == i
+                        && matches!(cells[b.first], Cell::Held(j) if j == *k)
+                    {
+                        b.slices += 1;
+                        continue;
+                    }
+                    let h = &self.held[*k];
+                    out.push(Block {
+                        first: i,
+                        slices: 1,
+                        kind: if h.shared { Kind::MigMps } else { Kind::Mig },
+                        lines: vec![h.holder.replace('+', ", "), h.profile.clone()],
+                    });
+                }
+                Cell::Whole => {}
+                Cell::Free => out.push(Block {
+                    first: i,
+                    slices: 1,
+                    kind: Kind::Free,
+                    lines: vec!["free".into()],
+                }),
+                Cell::Stranded => out.push(Block {
+                    first: i,
+                    slices: 1,
+                    kind: Kind::Stranded,
+                    lines: vec!["stranded".into()],
+                }),
+            }
+        }
+        out
+    }
+}
+
+/// An SVG of every GPU, one row each: each MIG instance is one block across
+/// its memory slices, a colour per kind of device, and a legend of exactly
+/// the kinds drawn.
 #[must_use]
 pub fn to_svg(gpus: &[GpuPicture]) -> String {
-    let cell = 90;
-    let row_h = 60;
-    let left = 230;
-    let width = left + 8 * cell + 20;
-    let height = 30 + gpus.len() * row_h + 20;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"monospace\" font-size=\"11\">\n<text x=\"10\" y=\"18\" font-size=\"13\">carve: memory slices per GPU (grey: free, hatched red: stranded)</text>\n"
-    );
+    let left = 200.0;
+    let row_w = 8.0 * 110.0;
+    let row_h = 66.0;
+    let block_h = 52.0;
+    let top = 58.0;
+    let mut body = String::new();
+    let mut used: Vec<Kind> = Vec::new();
     for (r, g) in gpus.iter().enumerate() {
-        let y = 30 + r * row_h;
+        let y = top + r as f64 * row_h;
         let _ = writeln!(
-            s,
-            "<text x=\"10\" y=\"{}\">{} {}</text>",
-            y + 25,
+            body,
+            "<text x=\"12\" y=\"{:.0}\" font-weight=\"bold\">{}</text>\n<text x=\"12\" y=\"{:.0}\" fill=\"#555\">{}</text>",
+            y + 22.0,
             esc(&g.name),
-            esc(&g.spec.product_name)
+            y + 40.0,
+            esc(&fit_label(&g.spec.product_name, left - 12.0))
         );
-        if !g.spec.mig_capable {
-            let fill = if g.whole.is_some() {
-                COLORS[0]
-            } else {
-                "#dddddd"
-            };
+        let blocks = g.blocks();
+        let n = blocks
+            .iter()
+            .map(|b| b.first + b.slices)
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64;
+        let slice_w = row_w / n;
+        for b in &blocks {
+            if !used.contains(&b.kind) {
+                used.push(b.kind);
+            }
+            let x = left + b.first as f64 * slice_w;
+            let w = b.slices as f64 * slice_w;
             let _ = writeln!(
-                s,
-                "<rect x=\"{left}\" y=\"{y}\" width=\"{}\" height=\"40\" fill=\"{fill}\" stroke=\"#333\"/>",
-                8 * cell
+                body,
+                "<rect x=\"{x:.1}\" y=\"{y:.1}\" width=\"{w:.1}\" height=\"{block_h}\" rx=\"4\" fill=\"{}\" stroke=\"#ffffff\" stroke-width=\"3\"/>",
+                b.kind.fill()
             );
-            continue;
-        }
-        let (cells, _) = g.cells();
-        for (i, c) in cells.iter().enumerate() {
-            let x = left + i * cell;
-            let (fill, label) = match c {
-                Cell::Held(k) => (
-                    COLORS[*k % COLORS.len()],
-                    format!("{} {}", g.held[*k].holder, g.held[*k].profile),
-                ),
-                Cell::Whole => (
-                    COLORS[0],
-                    g.whole.as_ref().map(Whole::describe).unwrap_or_default(),
-                ),
-                Cell::Free => ("#dddddd", "free".into()),
-                Cell::Stranded => ("#f4cccc", "stranded".into()),
-            };
-            let _ = writeln!(
-                s,
-                "<rect x=\"{x}\" y=\"{y}\" width=\"{cell}\" height=\"40\" fill=\"{fill}\" stroke=\"#333\"/>"
-            );
-            let short: String = label.chars().take(13).collect();
-            let _ = writeln!(
-                s,
-                "<text x=\"{}\" y=\"{}\">{}</text>",
-                x + 3,
-                y + 24,
-                esc(&short)
-            );
+            for (l, line) in b.lines.iter().enumerate() {
+                let _ = writeln!(
+                    body,
+                    "<text x=\"{:.1}\" y=\"{:.1}\" fill=\"{}\">{}</text>",
+                    x + 7.0,
+                    y + 21.0 + l as f64 * 17.0,
+                    b.kind.ink(),
+                    esc(&fit_label(line, w))
+                );
+            }
         }
     }
-    s.push_str("</svg>\n");
-    s
+    // The legend: the kinds drawn, in a fixed order.
+    let legend_y = top + gpus.len() as f64 * row_h + 16.0;
+    let mut x = 12.0;
+    let mut ly = legend_y;
+    let width = left + row_w + 12.0;
+    for k in Kind::ALL.iter().filter(|k| used.contains(k)) {
+        let item_w = 26.0 + k.legend().len() as f64 * CHAR_W + 24.0;
+        if x + item_w > width {
+            x = 12.0;
+            ly += 24.0;
+        }
+        let _ = writeln!(
+            body,
+            "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"18\" height=\"18\" rx=\"3\" fill=\"{}\" stroke=\"#999\"/>\n<text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            ly,
+            k.fill(),
+            x + 26.0,
+            ly + 14.0,
+            k.legend()
+        );
+        x += item_w;
+    }
+    let height = ly + 36.0;
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width:.0}\" height=\"{height:.0}\" font-family=\"DejaVu Sans Mono, monospace\" font-size=\"12\">\n\
+<defs><pattern id=\"stranded\" width=\"8\" height=\"8\" patternUnits=\"userSpaceOnUse\" patternTransform=\"rotate(45)\"><rect width=\"8\" height=\"8\" fill=\"#f4cccc\"/><line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"8\" stroke=\"#d9534f\" stroke-width=\"3\"/></pattern></defs>\n\
+<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n\
+<text x=\"12\" y=\"26\" font-size=\"16\" font-weight=\"bold\">carve: who holds which memory slices, one GPU per row</text>\n\
+<text x=\"{left}\" y=\"48\" fill=\"#555\">memory slices, left to right</text>\n{body}</svg>\n"
+    )
 }
 
 #[cfg(test)]
@@ -267,6 +435,7 @@ mod tests {
                     holder: format!("c{s}"),
                     profile: "1g.10gb".into(),
                     start: s,
+                    shared: false,
                 })
                 .collect(),
             whole: None,
@@ -303,7 +472,7 @@ mod tests {
     }
 
     #[test]
-    fn svg_has_one_rect_per_slice_and_escapes() {
+    fn svg_draws_an_instance_as_one_block_and_a_legend_of_what_is_drawn() {
         let spec = GpuModel::find("a30").unwrap().spec();
         let g = GpuPicture {
             name: "gpu-0".into(),
@@ -312,12 +481,52 @@ mod tests {
                 holder: "<a>".into(),
                 profile: "2g.12gb".into(),
                 start: 2,
+                shared: false,
             }],
             whole: None,
         };
         let svg = to_svg(&[g]);
-        assert_eq!(svg.matches("<rect").count(), 4);
+        // Two free slices and one block for the 2-slice instance, across two
+        // slices' width (the row is 880 px for the A30's 4 slices).
+        let blocks: Vec<&str> = svg
+            .lines()
+            .filter(|l| l.starts_with("<rect x=") && l.contains("height=\"52\""))
+            .collect();
+        assert_eq!(blocks.len(), 3, "{svg}");
+        assert!(
+            blocks.iter().any(|b| b.contains("x=\"640.0\"")
+                && b.contains("width=\"440.0\"")
+                && b.contains("#4e79a7")),
+            "{svg}"
+        );
         assert!(svg.contains("&lt;a&gt;"));
         assert!(!svg.contains("<a>"));
+        // The legend lists exactly the kinds drawn.
+        assert!(svg.contains(">MIG instance</text>"), "{svg}");
+        assert!(svg.contains(">free</text>"), "{svg}");
+        assert!(
+            !svg.contains(">stranded: free, but no profile fits</text>"),
+            "{svg}"
+        );
+        assert!(!svg.contains(">whole GPU</text>"), "{svg}");
+    }
+
+    #[test]
+    fn long_labels_are_cut_with_an_ellipsis_to_their_block() {
+        assert_eq!(fit_label("mig-same-parent", 400.0), "mig-same-parent");
+        let cut = fit_label("mig-same-parent", 90.0);
+        assert!(
+            cut.ends_with('\u{2026}') && cut.chars().count() == 10,
+            "{cut}"
+        );
+        assert_eq!(fit_label("abc", 10.0), "");
+    }
+
+    #[test]
+    fn each_kind_has_its_own_colour() {
+        let mut fills: Vec<&str> = Kind::ALL.iter().map(|k| k.fill()).collect();
+        fills.sort_unstable();
+        fills.dedup();
+        assert_eq!(fills.len(), Kind::ALL.len());
     }
 }

@@ -2006,6 +2006,7 @@ fn pictures(node: &Node, prepared: &[Prepared]) -> Vec<GpuPicture> {
                     holder: holder.clone(),
                     profile,
                     start,
+                    shared: matches!(name, DeviceName::MigMps { .. }),
                 }),
             }
         }

@@ -39,6 +39,15 @@ impl From<Order> for DeviceOrder {
     }
 }
 
+/// `--ampere-mig-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AmpereMig {
+    /// MIG mode off: the whole GPU only.
+    Off,
+    /// MIG mode on: MIG placements only.
+    On,
+}
+
 #[derive(Debug, clap::Args)]
 pub struct SlicesArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
@@ -61,6 +70,12 @@ pub struct SlicesArgs {
     /// Kubernetes version of the API server; decides the slice layout (1.34 or 1.35+).
     #[arg(long, default_value = "1.35", value_parser = crate::parse_kube_version)]
     pub kube_version: carve_apiserver::KubeVersion,
+    /// MIG mode of the simulated Ampere GPUs (A100, A30), where changing it
+    /// needs a GPU reset: `off` (the NVML simulator's and a new node's state)
+    /// publishes only the whole GPU, `on` only the MIG placements, as the
+    /// plugin does. Hopper and later switch MIG mode on demand and publish both.
+    #[arg(long, value_enum, default_value = "off")]
+    pub ampere_mig_mode: AmpereMig,
     /// Node name.
     #[arg(long, default_value = "sim-node")]
     pub node: String,
@@ -88,10 +103,33 @@ impl SlicesArgs {
                 per_gpu: std::collections::BTreeMap::new(),
             },
             kube_version,
+            ampere_mig_mode: AmpereMig::Off,
             node: node.into(),
             order: Order::Carve,
             output: Output::Yaml,
         }
+    }
+}
+
+/// What the plugin's inventory rules make of a simulated GPU: an Ampere GPU
+/// cannot leave or enter MIG mode without a reset, so it publishes its whole
+/// GPU (MIG off) or its placements (MIG on, `mig_locked`); later GPUs are
+/// partitioned on demand.
+fn simulated_policy(gpu: carve_model::spec::PhysicalGpu, mig: AmpereMig) -> NodeGpu {
+    if !(gpu.spec.mig_capable && gpu.spec.architecture.mig_mode_needs_reset()) {
+        return NodeGpu::dynamic(gpu);
+    }
+    match mig {
+        AmpereMig::Off => NodeGpu::new(
+            gpu,
+            carve_model::slices::GpuPolicy::Static {
+                instances: Vec::new(),
+            },
+        ),
+        AmpereMig::On => NodeGpu {
+            mig_locked: true,
+            ..NodeGpu::dynamic(gpu)
+        },
     }
 }
 
@@ -105,7 +143,7 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
             .with_context(|| format!("{} {:?}", args.gpus_flag, args.gpus))?;
         slices::simulated_gpus(&models)?
             .into_iter()
-            .map(NodeGpu::dynamic)
+            .map(|gpu| simulated_policy(gpu, args.ampere_mig_mode))
             .collect()
     };
     let layout = KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)?;

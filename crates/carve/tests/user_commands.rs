@@ -229,3 +229,33 @@ fn simulate_refuses_none_beside_other_sharing_kinds() {
         r.stderr
     );
 }
+
+#[test]
+fn slices_of_a_simulated_ampere_gpu_follow_the_plugins_mig_mode_rules() {
+    // MIG mode off (a new node): the plugin publishes only the whole A100,
+    // since turning MIG on needs a GPU reset; carve slices must agree.
+    let off = carve(&["slices", "--gpus", "a100-40gb:1", "-o", "table"]);
+    assert_eq!(off.code, 0, "{}", off.stderr);
+    assert!(off.stdout.contains("devices:  gpu×1\n"), "{}", off.stdout);
+    assert!(!off.stdout.contains("1g.5gb"), "{}", off.stdout);
+    // MIG mode on: placements only, no whole GPU.
+    let on = carve(&[
+        "slices",
+        "--gpus",
+        "a100-40gb:1",
+        "--ampere-mig-mode",
+        "on",
+        "-o",
+        "table",
+    ]);
+    assert_eq!(on.code, 0, "{}", on.stderr);
+    assert!(on.stdout.contains("1g.5gb×7"), "{}", on.stdout);
+    assert!(!on.stdout.contains("gpu×1"), "{}", on.stdout);
+    // Hopper switches MIG mode on demand: both.
+    let h = carve(&["slices", "--gpus", "h100-80gb:1", "-o", "table"]);
+    assert!(
+        h.stdout.contains("1g.10gb×") && h.stdout.contains("gpu×1"),
+        "{}",
+        h.stdout
+    );
+}

@@ -1240,13 +1240,10 @@ async fn apply_all(
                 let missing = classes_without_devices(s, c)?;
                 if missing.is_empty() {
                     say(&format!("- {}: does not fit on {NODE} now:", c.label()));
+                    // One line per reason (a false selector included: on a
+                    // node without the profile it is the only reason).
                     let text = expl.to_string();
-                    // Devices that are not even of the right kind say little here.
-                    let lines: Vec<&str> = text
-                        .lines()
-                        .skip(1)
-                        .filter(|l| !(l.contains(" selector #") && l.contains(" is false")))
-                        .collect();
+                    let lines: Vec<&str> = text.lines().skip(1).collect();
                     for l in lines.iter().take(EXPLAIN_LINES) {
                         say(&format!("  {l}"));
                     }

@@ -279,14 +279,17 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
                     addr: a.addr,
                     version: a.kube_version,
                 };
+                // Bound first, so the address printed is the one that serves
+                // (`--addr 127.0.0.1:0` gets a port from the kernel).
+                let server = carve_apiserver::ApiServer::start(opts).await?;
                 eprintln!(
                     "carve apiserver: serving Kubernetes {} on http://{}",
-                    a.kube_version, a.addr
+                    a.kube_version,
+                    server.addr()
                 );
-                carve_apiserver::serve(opts, async {
-                    let _ = tokio::signal::ctrl_c().await;
-                })
-                .await
+                let _ = tokio::signal::ctrl_c().await;
+                server.shutdown().await;
+                anyhow::Ok(())
             })?;
             Ok(ExitCode::SUCCESS)
         }

@@ -259,3 +259,29 @@ fn slices_of_a_simulated_ampere_gpu_follow_the_plugins_mig_mode_rules() {
         h.stdout
     );
 }
+
+#[test]
+fn apiserver_on_port_zero_prints_the_port_it_serves() {
+    use std::io::{BufRead as _, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(["apiserver", "--addr", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .rsplit_once("http://")
+        .map(|(_, a)| a.to_string())
+        .unwrap_or_else(|| panic!("{line}"));
+    let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
+    assert_ne!(port, 0, "{line}");
+    // It serves there.
+    let served = std::net::TcpStream::connect(&addr).is_ok();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(served, "nothing listens on {addr}");
+}

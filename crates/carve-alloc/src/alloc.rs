@@ -632,7 +632,7 @@ impl<'a> Allocator<'a> {
         only: Option<&HashSet<DevKey>>,
     ) -> Result<AllocationResult, AllocError> {
         let setup = self.setup(claim, node, only)?;
-        let (found, stopped) = self.search(claim, node, &setup)?;
+        let (found, stopped) = self.search(claim, node, &setup, Counting::Exact)?;
         if let Some(r) = found {
             return Ok(r);
         }
@@ -654,7 +654,29 @@ impl<'a> Allocator<'a> {
         only: Option<&HashSet<DevKey>>,
     ) -> Result<Option<AllocationResult>, AllocError> {
         let setup = self.setup(claim, node, only)?;
-        Ok(self.search(claim, node, &setup)?.0)
+        Ok(self.search(claim, node, &setup, Counting::Exact)?.0)
+    }
+
+    /// True when `claim` fits on `node` but kube-scheduler's allocator before
+    /// kubernetes/kubernetes PR #140431 (issue #140436; Kubernetes 1.36 and
+    /// earlier, unless a patch release carries the fix) would refuse it: that
+    /// allocator keeps the shared counters of a candidate it rejects on a
+    /// device taint or a `matchAttribute`/`distinctAttribute` constraint, and
+    /// of an allow-multiple device it backtracks from, so later candidates of
+    /// the same counter set look exhausted. Found by running the same search
+    /// with those leaks.
+    pub fn refused_by_upstream_counter_leak(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+    ) -> Result<bool, AllocError> {
+        let setup = self.setup(claim, node, None)?;
+        let (exact, _) = self.search(claim, node, &setup, Counting::Exact)?;
+        if exact.is_none() {
+            return Ok(false);
+        }
+        let (leaky, stopped) = self.search(claim, node, &setup, Counting::UpstreamCounterLeak)?;
+        Ok(leaky.is_none() && !stopped)
     }
 
     /// The backtracking search; the result, and whether it hit the step limit.
@@ -663,9 +685,11 @@ impl<'a> Allocator<'a> {
         claim: &ResourceClaim,
         node: &str,
         setup: &Setup<'_>,
+        counting: Counting,
     ) -> Result<(Option<AllocationResult>, bool), AllocError> {
         let constraints = claim_constraints(claim)?;
         let mut s = Search::new(self, claim, node, setup, &setup.view, constraints);
+        s.counting = counting;
         if s.request(0)? {
             return Ok((Some(s.build_result()), false));
         }
@@ -1422,8 +1446,18 @@ fn claim_constraints(claim: &ResourceClaim) -> Result<Vec<ConstraintState>, Allo
 }
 
 /// The backtracking search of one claim.
+/// How the search accounts counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Counting {
+    /// As the scheduler's allocator is meant to (and is, with PR #140431).
+    Exact,
+    /// With the counter leaks of kubernetes/kubernetes#140436.
+    UpstreamCounterLeak,
+}
+
 #[derive(Debug)]
 struct Search<'s, 'a, 'c> {
+    counting: Counting,
     a: &'s Allocator<'a>,
     claim: &'s ResourceClaim,
     node: &'s str,
@@ -1450,6 +1484,7 @@ impl<'s, 'a, 'c> Search<'s, 'a, 'c> {
         constraints: Vec<ConstraintState>,
     ) -> Self {
         Search {
+            counting: Counting::Exact,
             a,
             claim,
             node,
@@ -1798,7 +1833,13 @@ impl Search<'_, '_, '_> {
         if charged && self.counter_short(c).is_some() {
             return Ok(None);
         }
+        // Upstream (before PR #140431) reserves the counters first and keeps
+        // them when the taint or a constraint then rejects the candidate.
+        let leak = charged && self.counting == Counting::UpstreamCounterLeak;
         if taint_blocks(d, &r.tolerations).is_some() {
+            if leak {
+                self.charge(c, true);
+            }
             return Ok(None);
         }
         let driver = cand.key.0.clone();
@@ -1806,6 +1847,9 @@ impl Search<'_, '_, '_> {
             if !self.constraints[i].add(r, d, &driver) {
                 for j in (0..i).rev() {
                     self.constraints[j].remove(r);
+                }
+                if leak {
+                    self.charge(c, true);
                 }
                 return Ok(None);
             }
@@ -1872,7 +1916,9 @@ impl Search<'_, '_, '_> {
         } else {
             self.excl.remove(&u.cand);
         }
-        if u.charged {
+        // Upstream's undo of an allow-multiple device released its capacity
+        // but not the counters of its first allocation.
+        if u.charged && !(u.multi && self.counting == Counting::UpstreamCounterLeak) {
             self.charge(u.cand, false);
         }
     }

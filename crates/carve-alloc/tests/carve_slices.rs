@@ -121,3 +121,53 @@ fn sharing_examples_fit_carve_sharing_devices() {
     let r = a.allocate(&example("mps-hard-limit"), "node-a").unwrap();
     assert_eq!(picks(&r), pairs(&[("gpu", "gpu-1-mps")]));
 }
+
+/// A claim for one MIG instance of `profile`.
+fn profile_claim(name: &str, profile: &str) -> ResourceClaim {
+    let yaml = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig.gpu.carve.dev\n        selectors:\n        - cel: {{expression: 'device.attributes[\"gpu.carve.dev\"].profile == \"{profile}\"'}}\n"
+    );
+    claim(&yaml)
+}
+
+#[test]
+fn a_claim_the_unfixed_upstream_allocator_would_refuse_is_told_apart() {
+    // kubernetes/kubernetes#140436: before PR #140431 the scheduler's
+    // allocator kept the counters of a candidate it rejected on a
+    // matchAttribute constraint. gpu-0 has room for a 1g but not for a 3g;
+    // mig-same-parent's 1g goes there first, both 3g placements of gpu-1 are
+    // then rejected on the constraint (other parent) and, upstream, keep
+    // their memory slices: the 1g can no longer move to gpu-1. Without the
+    // leak it fits there.
+    for layout in [KubeLayout::V134, KubeLayout::V135Plus] {
+        let inputs = node(layout, None);
+        let mut a = Allocator::new(&inputs).unwrap();
+        for (n, p) in [("four", "4g.40gb"), ("two", "2g.20gb")] {
+            a.allocate_and_commit(&profile_claim(n, p), "node-a")
+                .unwrap();
+        }
+        let same_parent = example("mig-same-parent");
+        let fit = a.allocate(&same_parent, "node-a").unwrap();
+        assert_eq!(
+            picks(&fit),
+            pairs(&[
+                ("small", "gpu-1-mig-1g10gb-6"),
+                ("large", "gpu-1-mig-3g40gb-0")
+            ]),
+            "{layout:?}"
+        );
+        assert!(
+            a.refused_by_upstream_counter_leak(&same_parent, "node-a")
+                .unwrap(),
+            "{layout:?}"
+        );
+        // On an empty node the first candidates satisfy the constraint:
+        // nothing is rejected, nothing leaks.
+        let empty = Allocator::new(&inputs).unwrap();
+        assert!(
+            !empty
+                .refused_by_upstream_counter_leak(&same_parent, "node-a")
+                .unwrap()
+        );
+    }
+}

@@ -110,6 +110,10 @@ pub fn defrag(args: &DefragArgs) -> anyhow::Result<String> {
     })
 }
 
+/// What `explain` adds where the scheduler of Kubernetes 1.36 and earlier
+/// would still refuse a claim that fits.
+const UPSTREAM_LEAK_NOTE: &str = "  but kube-scheduler 1.36 and earlier (without kubernetes/kubernetes PR #140431) refuses it: its allocator keeps the shared counters of candidates it rejects on a constraint or taint (kubernetes/kubernetes#140436), and this claim's search rejects some; the pod stays pending there until the scheduler has the fix\n";
+
 /// Build the allocator inputs and the claim; returns (text, fits).
 pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     let claim = load_claim(&args.claim)?;
@@ -147,6 +151,9 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     }
     let alloc = Allocator::new(&inputs)?;
     let name = claim.metadata.name.clone().unwrap_or_default();
+    let upstream_refuses = |fits: bool| -> anyhow::Result<bool> {
+        Ok(fits && alloc.refused_by_upstream_counter_leak(&claim, &node)?)
+    };
     match alloc.allocate(&claim, &node) {
         Ok(result) if args.json => {
             let results: Vec<_> = result
@@ -159,6 +166,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
                 "node": node,
                 "fits": true,
                 "results": results,
+                "refusedByUnfixedScheduler": upstream_refuses(true)?,
             });
             Ok((serde_json::to_string_pretty(&json)? + "\n", true))
         }
@@ -179,6 +187,9 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
                     let _ = write!(out, "  consumes {}", caps.join(" "));
                 }
                 out.push('\n');
+            }
+            if upstream_refuses(true)? {
+                out.push_str(UPSTREAM_LEAK_NOTE);
             }
             Ok((out, true))
         }

@@ -285,3 +285,48 @@ fn apiserver_on_port_zero_prints_the_port_it_serves() {
     let _ = child.wait();
     assert!(served, "nothing listens on {addr}");
 }
+
+/// An allocated claim holding `device` (a MIG placement) of pool `node-a`.
+fn allocated(name: &str, device: &str) -> String {
+    format!(
+        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly: {{deviceClassName: mig.gpu.carve.dev}}\nstatus:\n  allocation:\n    devices:\n      results:\n      - {{request: gpu, driver: gpu.carve.dev, pool: node-a, device: {device}}}\n    nodeSelector:\n      nodeSelectorTerms:\n      - matchFields:\n        - {{key: metadata.name, operator: In, values: [node-a]}}\n"
+    )
+}
+
+#[test]
+fn explain_says_when_the_unfixed_scheduler_would_refuse_a_claim_that_fits() {
+    // gpu-0 holds a 4g and a 2g: room for mig-same-parent's 1g, not its 3g.
+    let dir = tempfile::tempdir().unwrap();
+    let slices = carve(&["slices", "--gpus", "h100-80gb:2", "--node", "node-a"]);
+    assert_eq!(slices.code, 0, "{}", slices.stderr);
+    let state = format!(
+        "{}{}{}",
+        slices.stdout,
+        allocated("four", "gpu-0-mig-4g40gb-0"),
+        allocated("two", "gpu-0-mig-2g20gb-4")
+    );
+    let state = write(dir.path(), "state.yaml", &state);
+    let r = carve(&[
+        "explain",
+        &example("mig-same-parent"),
+        "--slices",
+        state.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("-> gpu-1-mig-3g40gb-0"), "{}", r.stdout);
+    assert!(
+        r.stdout.contains("kube-scheduler 1.36 and earlier")
+            && r.stdout.contains("kubernetes/kubernetes#140436"),
+        "{}",
+        r.stdout
+    );
+    // On the empty node nothing is rejected on the constraint: no note.
+    let empty = carve(&[
+        "explain",
+        &example("mig-same-parent"),
+        "--simulate-gpus",
+        "h100-80gb:2",
+    ]);
+    assert_eq!(empty.code, 0, "{}", empty.stderr);
+    assert!(!empty.stdout.contains("#140436"), "{}", empty.stdout);
+}

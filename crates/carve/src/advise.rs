@@ -174,8 +174,8 @@ pub fn mig_fit(spec: &GpuSpec, sizes: &[f64]) -> Result<MigFit, AdviseError> {
 pub enum Sharing {
     /// MIG partitions.
     Mig,
-    /// CUDA MPS with hard (cgroup-enforced) memory limits.
-    MpsHard,
+    /// CUDA MPS shares with memory and SM limits.
+    Mps,
     /// Time-slicing.
     TimeSlice,
 }
@@ -242,10 +242,10 @@ pub fn advise(
         Sharing::TimeSlice
     } else {
         reasons.push(format!(
-            "no isolation needed and MIG's fixed sizes would cost {:.0}% extra: MPS shares SMs and memory at fine granularity; demand hard memory limits so a tenant cannot exceed its share",
+            "no isolation needed and MIG's fixed sizes would cost {:.0}% extra: MPS shares SMs and memory at fine granularity. Its memory limit is applied by the CUDA client (mpsMemoryLimit: client), which a tenant can escape, and its SM limit is a ceiling, not a reservation: share a GPU this way only between tenants that trust each other",
             (overhead - 1.0) * 100.0
         ));
-        Sharing::MpsHard
+        Sharing::Mps
     };
     let yaml = claim_yaml(spec, sharing, &fit, sizes);
     Ok(Advice {
@@ -282,7 +282,7 @@ fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> 
                 ));
             }
         }
-        Sharing::MpsHard => {
+        Sharing::Mps => {
             let mut classes: Vec<f64> = sizes.to_vec();
             classes.sort_by(f64::total_cmp);
             classes.dedup();
@@ -293,7 +293,7 @@ fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> 
                     &format!("mps-{:.0}pct", s * 100.0),
                     &sizes_of(&[s]),
                     &format!(
-                        "          deviceClassName: mps.gpu.carve.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].mpsMemoryLimit == \"hard\"\n          capacity:\n            requests:\n              memory: {mem_gib}Gi\n              multiprocessors: \"{sms}\"\n"
+                        "          deviceClassName: mps.gpu.carve.dev\n          capacity:\n            requests:\n              memory: {mem_gib}Gi\n              multiprocessors: \"{sms}\"\n"
                     ),
                 ));
             }
@@ -311,7 +311,7 @@ impl fmt::Display for Advice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = match self.sharing {
             Sharing::Mig => "MIG partitions",
-            Sharing::MpsHard => "MPS with hard memory limits",
+            Sharing::Mps => "MPS shares with memory and SM limits",
             Sharing::TimeSlice => "time-slicing",
         };
         writeln!(f, "recommendation: {name}")?;
@@ -380,7 +380,7 @@ mod tests {
         // MPS: one template per size, each as large as its tenant needs (a
         // template at the mean would leave the 0.3 tenant short).
         let a = advise(&h100(), Answer::No, Answer::No, &[0.1, 0.25, 0.3], false).unwrap();
-        assert_eq!(a.sharing, Sharing::MpsHard);
+        assert_eq!(a.sharing, Sharing::Mps);
         assert_eq!(
             a.yaml.matches("kind: ResourceClaimTemplate").count(),
             3,
@@ -421,10 +421,18 @@ mod tests {
     }
 
     #[test]
-    fn no_isolation_and_poor_fit_picks_mps_hard_or_timeslice() {
+    fn no_isolation_and_poor_fit_picks_mps_or_timeslice() {
         let a = advise(&h100(), Answer::No, Answer::No, &[0.3, 0.3, 0.6], false).unwrap();
-        assert_eq!(a.sharing, Sharing::MpsHard);
-        assert!(a.yaml.contains("mpsMemoryLimit == \"hard\""));
+        assert_eq!(a.sharing, Sharing::Mps);
+        // No MPS device enforces memory hard (issue 18): the template asks
+        // for capacity only and the reason says what the limit is.
+        assert!(!a.yaml.contains("\"hard\""), "{}", a.yaml);
+        assert!(a.yaml.contains("capacity:"), "{}", a.yaml);
+        assert!(
+            a.reasons[0].contains("mpsMemoryLimit: client"),
+            "{:?}",
+            a.reasons
+        );
         let t = advise(&h100(), Answer::No, Answer::No, &[0.3, 0.3, 0.6], true).unwrap();
         assert_eq!(t.sharing, Sharing::TimeSlice);
     }

@@ -906,3 +906,62 @@ fn a_server_that_never_becomes_ready_fails_the_claim_by_unit_and_leaves_no_daemo
     assert!(e.to_string().contains("status: Starting"), "{e}");
     assert!(node.daemons().is_empty());
 }
+
+#[test]
+fn a_daemon_refusing_or_dying_on_a_second_share_leaves_the_first_untouched() {
+    // Refused: B's limits. B's namespace is removed again, A keeps its own.
+    let node = Node::new(&[("FAKE_MPS_REJECT", "--pinned-memory-limit=4096M")]);
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let a = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let pid = c.identity().unwrap().pid;
+    let p = pipe(&c);
+    let e = c
+        .prepare(&dev, &cc("4Gi", "8"), "claim-b", "s1", None)
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("gpu-0-mps") && msg.contains("rejected on request"),
+        "{msg}"
+    );
+    let nb = ns("claim-b", "s1");
+    assert_eq!(
+        requests(&p).last().unwrap(),
+        &format!("verb namespace delete {nb} --server=carve --force")
+    );
+    assert_eq!(namespaces(&p), [ns("claim-a", "s1")]);
+    assert!(!p.join("carve").join(&nb).exists());
+    assert_eq!(c.clients().count(), 1);
+    assert_eq!(c.identity().unwrap().pid, pid);
+    assert!(client_of(&a, 1000).contains("pinned=2048M"));
+    c.remove_client("claim-a", "s1").unwrap();
+    assert!(c.stop_if_idle().unwrap());
+    wait_dead(pid);
+
+    // Dying: on B's namespace. A is kept and comes back alone.
+    let nb = ns("claim-b", "s1");
+    let node = Node::new(&[("FAKE_MPS_CRASH_ON", &nb)]);
+    let support = detect(&node.cfg).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    c.prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let old = c.identity().unwrap().pid;
+    let e = c
+        .prepare(&dev, &cc("4Gi", "8"), "claim-b", "s1", None)
+        .unwrap_err();
+    assert!(matches!(e, MpsError::Command { .. }), "{e}");
+    assert!(e.to_string().contains("gpu-0-mps"), "{e}");
+    wait_dead(old);
+    assert_eq!(c.clients().count(), 1);
+    assert_eq!(c.ensure_running().unwrap(), Ensure::Restarted);
+    let p = pipe(&c);
+    assert_eq!(namespaces(&p), [ns("claim-a", "s1")]);
+    let (a, _) = c.share("claim-a", "s1").unwrap();
+    assert!(client_of(&a, 1000).contains("pinned=2048M"));
+    c.remove_client("claim-a", "s1").unwrap();
+    assert!(c.stop_if_idle().unwrap());
+    assert!(node.daemons().is_empty());
+}

@@ -665,10 +665,14 @@ async fn a_corrupt_checkpoint_is_rebuilt_with_the_daemons_shares() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist() {
-    let node = mps_node(
-        vec![GpuEntry::new("h100-80gb", 1, false)],
-        ProtocolChoice::V2,
-    );
+    // v2, and v3 too: no MPS device enforces memory hard today.
+    for protocol in [ProtocolChoice::V2, ProtocolChoice::V3] {
+        demand_hard(protocol).await;
+    }
+}
+
+async fn demand_hard(protocol: ProtocolChoice) {
+    let node = mps_node(vec![GpuEntry::new("h100-80gb", 1, false)], protocol);
     let api = api().await;
     let driver = start(&node, &api).await;
     let claim = |name: &str, uid: &str, need: &str| {
@@ -700,8 +704,11 @@ async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist
         e.contains("requires memoryLimit hard") && e.contains("enforces client"),
         "{e}"
     );
+    assert!(e.contains("gpu-0-mps"), "{e}");
     ok(&out, "u-client");
-    assert!(!fake_log(&node, "gpu-0-mps").contains("u-hard"));
+    let log = fake_log(&node, "gpu-0-mps");
+    assert!(!log.contains("u-hard"), "{log}");
+    assert!(!log.contains(&ns("u-hard", "s-u-hard")), "{log}");
     driver.unprepare_one("u-client").await.unwrap();
 }
 

@@ -34,11 +34,18 @@
 //!
 //! # Isolation levels (attributes `mpsMemoryLimit`, `mpsComputeLimit`)
 //!
-//! - memory `hard`: enforced outside the container (MPS v3 namespace bound to the
-//!   claim's cgroup); `client`: the `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` variable,
-//!   which a process in the container can change.
+//! - memory `hard`: a limit the workload cannot escape: NVIDIA's memory
+//!   partitioning (`dmem`/misc, set through NVML or `nvidia-smi memory-limits`)
+//!   on a whole, non-MIG GPU. carve does not set it up yet, so it publishes
+//!   `hard` nowhere, and never on MIG (unsupported there). `client`: a limit the
+//!   CUDA client applies: the v2 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` variable, or
+//!   a v3 namespace's pinned limit, which a tenant can escape (NVIDIA Dynamo
+//!   measured it: one variable entry naming an invisible device drops it).
 //! - compute `partition`: static SM partitions (dedicated SMs); `percentage`: an
-//!   active-thread percentage the server applies per namespace; `client`: the
+//!   active-thread percentage the server applies per namespace, overriding the
+//!   client's variable. It is a ceiling on the threads a client may use, not a
+//!   reservation: idle shares' SMs are not held for them, and a busy share does
+//!   not get its percentage back from others. `client`: the
 //!   `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` variable.
 //! - Never isolated by MPS at any level: L2 cache and memory bandwidth, and a
 //!   fatal GPU fault in one client reaches every client of the same server.
@@ -102,9 +109,11 @@ impl Sharing {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MemoryLimit {
-    /// The environment variable only: the workload can raise it.
+    /// Applied by the CUDA client (the v2 variable, a v3 namespace's pinned
+    /// limit): the workload can escape it.
     Client,
-    /// Enforced by the MPS server per namespace bound to the claim's cgroup.
+    /// A limit the workload cannot escape (memory partitioning on a whole,
+    /// non-MIG GPU). Not published by carve today.
     Hard,
 }
 
@@ -151,6 +160,18 @@ pub struct MpsCapabilities {
     pub memory_limit: MemoryLimit,
     /// SM share enforcement.
     pub compute_limit: ComputeLimit,
+}
+
+impl MpsCapabilities {
+    /// These levels on a MIG instance: memory partitioning does not support
+    /// MIG, so memory is at most `client` there.
+    #[must_use]
+    pub fn on_mig(self) -> Self {
+        Self {
+            memory_limit: self.memory_limit.min(MemoryLimit::Client),
+            ..self
+        }
+    }
 }
 
 /// Why a sharing device cannot be described or an allocation not translated.
@@ -401,7 +422,7 @@ impl MpsDeviceSpec {
             mig: Some((profile.to_string(), start)),
             memory_mib: p.memory_mib,
             multiprocessors: p.multiprocessors,
-            caps,
+            caps: caps.on_mig(),
         };
         s.ranges()?;
         Ok(s)
@@ -981,6 +1002,25 @@ mod tests {
             translate(&cc("lots", "2"), &d),
             Err(SharingError::Quantity { .. })
         ));
+    }
+
+    #[test]
+    fn a_mig_mps_device_never_publishes_hard_memory() {
+        // Memory partitioning does not support MIG (NVIDIA's MPS memory
+        // partitioning page), whatever the node's levels are.
+        for m in crate::MODELS {
+            let g = gpu(m.key);
+            for p in &g.spec.profiles {
+                for pl in &p.placements {
+                    let Ok(d) = MpsDeviceSpec::mig(&g, &p.name, pl.start, CAPS) else {
+                        continue;
+                    };
+                    assert_eq!(d.caps.memory_limit, MemoryLimit::Client, "{}", d.name);
+                    assert_eq!(d.caps.compute_limit, CAPS.compute_limit);
+                }
+            }
+        }
+        assert_eq!(CAPS.on_mig().memory_limit, MemoryLimit::Client);
     }
 
     #[test]

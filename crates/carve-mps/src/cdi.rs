@@ -1,12 +1,32 @@
 //! The container edits of one MPS share, as plain data for the plugin's CDI
 //! spec writer: one CDI device per claim share, named after the share.
+//!
+//! v3: the share's container gets only its namespace's pipe directory (from
+//! `namespace get <ns> carve pipe-directory`), mounted at the same path and
+//! named by `CUDA_MPS_PIPE_DIRECTORY`, so the client's `control` socket is the
+//! namespace's and the limits are the namespace's [NS], [DYN]. Mounting the
+//! daemon's whole pipe directory would route the pod through the main socket
+//! to an unlimited `uid_<uid>` server and show it every other share's socket.
+//! No limit variables: the namespace's percentage overrides the client's
+//! [ENV], and a pinned-limit variable naming a device the process cannot see
+//! drops every pinned limit, the namespace's included [DYN].
+//!
+//! v2 has no namespaces: the daemon's pipe directory at [`CONTAINER_PIPE_DIR`],
+//! and the per-share limits as client variables (which the workload can
+//! change: `client` enforcement).
+//!
+//! Not done: a `/dev/shm` shared by the share's clients and the MPS server.
+//! The server is started by the control daemon inside the plugin container,
+//! so a directory mounted as the pod's `/dev/shm` would not be the server's;
+//! arranging that needs the daemon started in a mount namespace of its own
+//! (see the README's MPS section).
 
 use std::path::{Path, PathBuf};
 
-use carve_model::sharing::{ComputeLimit, MemoryLimit, MpsCapabilities, MpsLimits};
+use carve_model::sharing::MpsLimits;
 use serde::{Deserialize, Serialize};
 
-/// Where the unit's pipe directory appears in the container.
+/// Where a v2 unit's pipe directory appears in the container.
 pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
 /// A bind mount.
@@ -33,46 +53,69 @@ pub struct ShareEdits {
     pub mounts: Vec<Mount>,
 }
 
+/// Which pipe directory a share's clients use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SharePipe {
+    /// v3: the share's namespace directory (`namespace get … pipe-directory`).
+    Namespace(PathBuf),
+    /// v2: the daemon's pipe directory.
+    Daemon(PathBuf),
+}
+
 /// The CDI device name of a share.
 #[must_use]
 pub fn share_cdi_name(claim_uid: &str, share_id: &str) -> String {
     format!("mps-{claim_uid}-{share_id}")
 }
 
-/// Container edits for a share: the pipe directory bind-mounted at
-/// [`CONTAINER_PIPE_DIR`] and named by `CUDA_MPS_PIPE_DIRECTORY`; the limit
-/// variables only where they are the enforcement (`client` level), since a
-/// server-side limit must not look like something the workload may tune.
+const OPTIONS: [&str; 4] = ["rbind", "rw", "nosuid", "nodev"];
+
+/// Container edits for a share (see the module docs).
 #[must_use]
 pub fn share_edits(
-    pipe_dir: &Path,
+    pipe: &SharePipe,
     uuid: &str,
-    caps: MpsCapabilities,
     limits: &MpsLimits,
     claim_uid: &str,
     share_id: &str,
 ) -> ShareEdits {
-    let mut env = vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")];
-    if caps.memory_limit == MemoryLimit::Client {
-        env.push(format!(
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuid}={}M",
-            limits.memory_limit_mib
-        ));
-    }
-    if caps.compute_limit == ComputeLimit::Client {
-        env.push(format!(
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={}",
-            limits.active_thread_percentage
-        ));
-    }
+    let (host, container, env) = match pipe {
+        SharePipe::Namespace(d) => {
+            let p = d.display().to_string();
+            (
+                d.as_path(),
+                p.clone(),
+                vec![format!("CUDA_MPS_PIPE_DIRECTORY={p}")],
+            )
+        }
+        SharePipe::Daemon(d) => (
+            d.as_path(),
+            CONTAINER_PIPE_DIR.to_string(),
+            vec![
+                format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}"),
+                format!(
+                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuid}={}M",
+                    limits.memory_limit_mib
+                ),
+                format!(
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={}",
+                    limits.active_thread_percentage
+                ),
+            ],
+        ),
+    };
     ShareEdits {
         cdi_name: share_cdi_name(claim_uid, share_id),
         env,
-        mounts: vec![Mount {
-            host_path: pipe_dir.to_path_buf(),
-            container_path: CONTAINER_PIPE_DIR.to_string(),
-            options: vec!["rbind".into(), "rw".into(), "nosuid".into(), "nodev".into()],
-        }],
+        mounts: vec![mount(host, container)],
+    }
+}
+
+fn mount(host: &Path, container: String) -> Mount {
+    Mount {
+        host_path: host.to_path_buf(),
+        container_path: container,
+        options: OPTIONS.iter().map(|s| (*s).to_string()).collect(),
     }
 }
 
@@ -87,12 +130,14 @@ mod tests {
     };
 
     #[test]
-    fn client_level_sets_the_limit_variables() {
-        let caps = MpsCapabilities {
-            memory_limit: MemoryLimit::Client,
-            compute_limit: ComputeLimit::Client,
-        };
-        let e = share_edits(Path::new("/s/pipe"), "GPU-1", caps, &L, "c1", "s1");
+    fn v2_sets_the_limit_variables_on_the_daemon_directory() {
+        let e = share_edits(
+            &SharePipe::Daemon("/s/pipe".into()),
+            "GPU-1",
+            &L,
+            "c1",
+            "s1",
+        );
         assert_eq!(
             e.env,
             [
@@ -106,14 +151,17 @@ mod tests {
     }
 
     #[test]
-    fn hard_limits_set_no_variables_and_names_differ_per_share() {
-        let caps = MpsCapabilities {
-            memory_limit: MemoryLimit::Hard,
-            compute_limit: ComputeLimit::Percentage,
-        };
-        let a = share_edits(Path::new("/p"), "GPU-1", caps, &L, "c1", "s1");
-        let b = share_edits(Path::new("/p"), "GPU-1", caps, &L, "c1", "s2");
-        assert_eq!(a.env, ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]);
+    fn v3_mounts_only_the_namespace_directory_at_its_own_path() {
+        let ns = PathBuf::from("/s/pipe/carve/c_0123456789abcdef");
+        let a = share_edits(&SharePipe::Namespace(ns.clone()), "GPU-1", &L, "c1", "s1");
+        let b = share_edits(&SharePipe::Namespace(ns.clone()), "GPU-1", &L, "c1", "s2");
+        assert_eq!(
+            a.env,
+            ["CUDA_MPS_PIPE_DIRECTORY=/s/pipe/carve/c_0123456789abcdef"]
+        );
+        assert_eq!(a.mounts.len(), 1);
+        assert_eq!(a.mounts[0].host_path, ns);
+        assert_eq!(a.mounts[0].container_path, ns.display().to_string());
         assert_ne!(a.cdi_name, b.cdi_name);
     }
 }

@@ -4,8 +4,16 @@
 //! Files, all under `<MPS root>/<unit>/` (directories 0700):
 //! `pipe/` (`CUDA_MPS_PIPE_DIRECTORY`, where the daemon writes
 //! `nvidia-cuda-mps-control.pid`), `log/` (`CUDA_MPS_LOG_DIRECTORY`) and
-//! `state.json` (daemon identity and clients, written atomically), which lets a
-//! restarted plugin adopt the running daemon without sending it anything.
+//! `state.json` (daemon identity, clients and, in v3, each share's namespace
+//! pipe directory, written atomically), which lets a restarted plugin adopt
+//! the running daemon without sending it anything.
+//!
+//! v3 (`../shared/reference/mps-v3.md`): the daemon runs with `-m -p 3`; one
+//! server `carve` allowed on the unit's device, checked `Ready`; per claim
+//! share one namespace ([`v3::namespace_name`]) created, then given both
+//! limits with `namespace set`; the share's container gets only that
+//! namespace's pipe directory ([`crate::cdi`]). v2: per-share client
+//! variables under per-server ceilings.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,11 +21,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use carve_model::sharing::{MemoryLimit, MpsCapabilities, MpsDeviceSpec, MpsLimits, translate};
+use carve_model::sharing::{MpsCapabilities, MpsDeviceSpec, MpsLimits, translate};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::{Deserialize, Serialize};
 
-use crate::cdi::{ShareEdits, share_edits};
+use crate::cdi::{ShareEdits, SharePipe, share_edits};
 use crate::detect::{MpsConfig, Support};
 use crate::error::{MpsError, io};
 use crate::proc;
@@ -34,9 +42,10 @@ const STATE_VERSION: u32 = 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Protocol {
-    /// Legacy: commands on stdin, per-daemon defaults plus client variables.
+    /// Legacy: commands on stdin, per-server ceilings plus client variables.
     V2,
-    /// Verbs on the command line, namespaces bound to cgroups.
+    /// Verbs on the command line; one namespace, with its own socket
+    /// directory and limits, per claim share.
     V3,
 }
 
@@ -60,59 +69,111 @@ pub mod v2 {
     pub fn set_default_active_thread_percentage(pct: u32) -> String {
         format!("set_default_active_thread_percentage {pct}")
     }
+
+    /// Memory limit of the running server `pid`, for its clients created
+    /// afterwards [V2].
+    #[must_use]
+    pub fn set_device_pinned_mem_limit(pid: u32, uuid: &str, mib: u64) -> String {
+        format!("set_device_pinned_mem_limit {pid} {uuid} {mib}M")
+    }
+
+    /// Active-thread percentage of the running server `pid` [V2].
+    #[must_use]
+    pub fn set_active_thread_percentage(pid: u32, pct: u32) -> String {
+        format!("set_active_thread_percentage {pid} {pct}")
+    }
 }
 
-/// MPS v3 verbs. The exact spellings are UNVERIFIED: dra-api.md E.2 names the
-/// modules and settings (servers, namespaces with `cgroup`,
-/// `pinned_memory_limit`, `active_thread_percentage`; `-p 3`; `-q`) but not
-/// every command-line form. Everything carve sends in v3 is built here, so a
-/// correction touches this table only.
+/// MPS v3 verbs, as NVIDIA documents them for release 615 ([IF], [NS] in
+/// `../shared/reference/mps-v3.md`): names are positional; `namespace create`
+/// takes only `--server`, limits follow with `namespace set`; memory is a bare
+/// `<n>M`. Release 620 is driven the same way: its additions (cgroup routing)
+/// have no documented CLI spelling, so carve uses none of them on either.
+/// Everything carve sends in v3 is built here.
 pub mod v3 {
-    use std::path::Path;
-
     use carve_model::sharing::MpsLimits;
 
-    /// Start the daemon in the background with protocol 3.
-    pub const START: [&str; 3] = ["-d", "-p", "3"];
-    /// Stop the daemon.
+    /// Start the daemon in the background, multi-user (clients of any UID,
+    /// as pods run; the daemon runs as root), protocol 3 [IF 1.1], [DYN].
+    pub const START: [&str; 4] = ["-d", "-m", "-p", "3"];
+    /// The documented v3 test: lists `server` and `namespace` [DYN].
+    pub const HELP: [&str; 3] = ["-p", "3", "-h"];
+    /// Stop the daemon and its servers [IF 1.1].
     pub const QUIT: [&str; 1] = ["-q"];
     /// The named server carve creates per daemon.
     pub const SERVER: &str = "carve";
+    /// The status of a server that serves [IF 1.3].
+    pub const READY: &str = "Ready";
 
-    /// Create carve's server, allowed on the unit's device only.
+    fn v(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| (*s).to_string()).collect()
+    }
+
+    /// Create carve's server, allowed on the unit's device only. No `--uid`:
+    /// in multiuser mode only `--uid=0` is allowed, and the connecting user
+    /// (root) owns it [IF 1.3].
     #[must_use]
     pub fn server_create(uuid: &str) -> Vec<String> {
-        vec![
-            "server".into(),
-            "create".into(),
-            format!("--name={SERVER}"),
-            format!("--allowed-devices={uuid}"),
-        ]
+        let mut a = v(&["server", "create", SERVER]);
+        a.push(format!("--allowed-devices={uuid}"));
+        a
     }
 
-    /// One namespace per claim share, bound to the pod cgroup, with its limits.
+    /// `server get carve status` [IF 1.3].
     #[must_use]
-    pub fn namespace_create(name: &str, cgroup: &Path, uuid: &str, l: &MpsLimits) -> Vec<String> {
-        vec![
-            "namespace".into(),
-            "create".into(),
-            format!("--server={SERVER}"),
-            format!("--name={name}"),
-            format!("--cgroup={}", cgroup.display()),
-            format!("--pinned-memory-limit={uuid}={}M", l.memory_limit_mib),
-            format!("--active-thread-percentage={}", l.active_thread_percentage),
-        ]
+    pub fn server_status() -> Vec<String> {
+        v(&["server", "get", SERVER, "status"])
     }
 
-    /// Remove a namespace.
+    /// `namespace create <ns> --server=carve` [IF 1.4].
     #[must_use]
-    pub fn namespace_delete(name: &str) -> Vec<String> {
-        vec![
-            "namespace".into(),
-            "delete".into(),
-            format!("--server={SERVER}"),
-            format!("--name={name}"),
-        ]
+    pub fn namespace_create(ns: &str) -> Vec<String> {
+        v(&["namespace", "create", ns, &format!("--server={SERVER}")])
+    }
+
+    /// `namespace set <ns> --server=carve --pinned-memory-limit=<N>M
+    /// --active-thread-percentage=<p>`: both limits, since a named namespace
+    /// inherits none of the server's [DYN].
+    #[must_use]
+    pub fn namespace_set(ns: &str, l: &MpsLimits) -> Vec<String> {
+        v(&[
+            "namespace",
+            "set",
+            ns,
+            &format!("--server={SERVER}"),
+            &format!("--pinned-memory-limit={}M", l.memory_limit_mib),
+            &format!("--active-thread-percentage={}", l.active_thread_percentage),
+        ])
+    }
+
+    /// `namespace get <ns> carve pipe-directory` [IF 1.4], [NS].
+    #[must_use]
+    pub fn namespace_pipe_directory(ns: &str) -> Vec<String> {
+        v(&["namespace", "get", ns, SERVER, "pipe-directory"])
+    }
+
+    /// `namespace delete <ns> --server=carve --force`: at unprepare the pod's
+    /// containers are gone; `--force` ends a client process they left [IF].
+    #[must_use]
+    pub fn namespace_delete(ns: &str) -> Vec<String> {
+        v(&[
+            "namespace",
+            "delete",
+            ns,
+            &format!("--server={SERVER}"),
+            "--force",
+        ])
+    }
+
+    /// The namespace of a claim share: `c_` and 16 hex digits of the SHA-256
+    /// of `<claim UID>/<share ID>`. Valid (`[a-z0-9_]`, at most 64 [IF 1.2]),
+    /// short enough for socket paths, and the same after a restart.
+    #[must_use]
+    pub fn namespace_name(claim_uid: &str, share_id: &str) -> String {
+        use sha2::Digest as _;
+        let d = sha2::Sha256::digest(format!("{claim_uid}/{share_id}").as_bytes());
+        let hex: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
+        format!("c_{hex}")
     }
 }
 
@@ -141,9 +202,11 @@ pub struct MpsTarget {
     /// UUID the daemon is given as `CUDA_VISIBLE_DEVICES` and limits name:
     /// `GPU-…` or, for a MIG instance, `MIG-…`.
     pub uuid: String,
-    /// PCI bus id of the GPU (for `dmem`), where known.
+    /// PCI bus id of the GPU, where known (the key of a memory-partitioning
+    /// limit, which carve does not set yet).
     pub pci_bus_id: Option<String>,
-    /// Whether the unit is a MIG instance (`dmem` does not apply).
+    /// Whether the unit is a MIG instance (memory partitioning never applies
+    /// to MIG [MP]).
     pub mig: bool,
 }
 
@@ -171,7 +234,9 @@ pub struct ClientSpec {
     pub share_id: String,
     /// Its limits ([`translate`]).
     pub limits: MpsLimits,
-    /// The pod cgroup, relative to the cgroup root (required for hard limits).
+    /// The pod cgroup, relative to the cgroup root. Unused by MPS today
+    /// (release 615 has no cgroup binding, 620's CLI for it is unknown);
+    /// kept for the checkpoint format.
     pub cgroup: Option<PathBuf>,
 }
 
@@ -180,8 +245,10 @@ impl ClientSpec {
         format!("{}/{}", self.claim_uid, self.share_id)
     }
 
-    fn namespace(&self) -> String {
-        format!("{}.{}", self.claim_uid, self.share_id)
+    /// Its v3 namespace ([`v3::namespace_name`]).
+    #[must_use]
+    pub fn namespace(&self) -> String {
+        v3::namespace_name(&self.claim_uid, &self.share_id)
     }
 }
 
@@ -191,6 +258,9 @@ struct UnitState {
     version: u32,
     identity: Option<DaemonIdentity>,
     clients: BTreeMap<String, ClientSpec>,
+    /// v3: each share's namespace pipe directory, as the daemon named it.
+    #[serde(default)]
+    pipe_dirs: BTreeMap<String, PathBuf>,
 }
 
 /// What [`MpsControl::ensure_running`] found or did.
@@ -479,7 +549,7 @@ impl MpsControl {
     #[must_use]
     pub fn share(&self, claim_uid: &str, share_id: &str) -> Option<(ShareEdits, Option<PathBuf>)> {
         let c = self.state.clients.get(&format!("{claim_uid}/{share_id}"))?;
-        Some((self.edits(c), c.cgroup.clone()))
+        Some((self.edits(c)?, c.cgroup.clone()))
     }
 
     /// Whether no claim uses the unit (then a MIG instance behind it may go).
@@ -491,11 +561,12 @@ impl MpsControl {
     /// The enforcement levels this unit gives its clients.
     #[must_use]
     pub fn capabilities(&self) -> MpsCapabilities {
-        Support {
+        let c = Support {
             protocol: self.protocol(),
             ..self.support.clone()
         }
-        .capabilities()
+        .capabilities();
+        if self.target.mig { c.on_mig() } else { c }
     }
 
     fn protocol(&self) -> Protocol {
@@ -572,6 +643,7 @@ impl MpsControl {
         let protocol = self.support.protocol;
         let id = self.daemon().start(protocol)?;
         self.state.identity = Some(id.clone());
+        self.state.pipe_dirs.clear();
         let configured = self.configure_all();
         if let Err(e) = configured {
             let _ = self.daemon().stop(&id);
@@ -589,27 +661,52 @@ impl MpsControl {
     }
 
     /// Apply the daemon-wide setup and every client's limits to a fresh daemon.
-    fn configure_all(&self) -> Result<(), MpsError> {
-        let d = self.daemon();
+    fn configure_all(&mut self) -> Result<(), MpsError> {
         match self.protocol() {
             Protocol::V3 => {
-                d.v3(&v3::server_create(&self.target.uuid))?;
-                for c in self.state.clients.values() {
-                    self.v3_add(c)?;
+                self.daemon().v3(&v3::server_create(&self.target.uuid))?;
+                self.check_ready()?;
+                let clients: Vec<ClientSpec> = self.state.clients.values().cloned().collect();
+                for c in clients {
+                    let dir = self.v3_add(&c)?;
+                    self.state.pipe_dirs.insert(c.key(), dir);
                 }
                 Ok(())
             }
-            Protocol::V2 => self.v2_defaults(self.state.clients.values()),
+            Protocol::V2 => self.v2_limits(self.state.clients.values()),
         }
     }
 
-    /// v2: per-daemon defaults are ceilings for every future server: the
-    /// largest share among the clients. Per-claim limits come from the client
-    /// variables (see [`crate::cdi`]).
-    fn v2_defaults<'c>(
-        &self,
-        clients: impl Iterator<Item = &'c ClientSpec>,
-    ) -> Result<(), MpsError> {
+    /// v3: the server must be `Ready`. A `server create` can succeed and
+    /// leave no server (it exits at once and drops out of `server list`),
+    /// and clients then run without MPS and without limits [DYN].
+    fn check_ready(&self) -> Result<(), MpsError> {
+        let status = self.daemon().v3(&v3::server_status());
+        let status = match status {
+            Ok(s) => s.trim().to_string(),
+            Err(MpsError::Command { why, .. }) => format!("not listed ({})", why.trim()),
+            Err(e) => return Err(e),
+        };
+        if status == v3::READY {
+            return Ok(());
+        }
+        let log = self.dir.join("log").join(v3::SERVER).join("server.log");
+        let tail = std::fs::read_to_string(&log)
+            .map(|t| t.lines().rev().take(3).collect::<Vec<_>>().join(" / "))
+            .unwrap_or_default();
+        Err(MpsError::ServerNotReady {
+            unit: self.target.unit.clone(),
+            server: v3::SERVER.to_string(),
+            status,
+            log: tail,
+        })
+    }
+
+    /// v2: every share's limit is its client variables (see [`crate::cdi`]);
+    /// the daemon's ceilings are the largest share, set as defaults (for
+    /// servers started later) and on each running server (`set_default_*`
+    /// does not reach a running one [V2]).
+    fn v2_limits<'c>(&self, clients: impl Iterator<Item = &'c ClientSpec>) -> Result<(), MpsError> {
         let (mut mib, mut pct) = (0, 0);
         for c in clients {
             mib = mib.max(c.limits.memory_limit_mib);
@@ -618,63 +715,59 @@ impl MpsControl {
         if mib == 0 {
             return Ok(());
         }
-        self.daemon().v2(&[
-            v2::set_default_device_pinned_mem_limit(&self.target.uuid, mib),
+        let d = self.daemon();
+        let uuid = &self.target.uuid;
+        d.v2(&[
+            v2::set_default_device_pinned_mem_limit(uuid, mib),
             v2::set_default_active_thread_percentage(pct),
         ])?;
+        let list = d.v2(&[v2::GET_SERVER_LIST.to_string()])?;
+        let mut cmds = Vec::new();
+        for pid in list.split_whitespace() {
+            let pid: u32 = pid.parse().map_err(|_| MpsError::Command {
+                unit: self.target.unit.clone(),
+                command: v2::GET_SERVER_LIST.into(),
+                why: format!("not a server pid: {pid:?}"),
+            })?;
+            cmds.push(v2::set_device_pinned_mem_limit(pid, uuid, mib));
+            cmds.push(v2::set_active_thread_percentage(pid, pct));
+        }
+        if !cmds.is_empty() {
+            d.v2(&cmds)?;
+        }
         Ok(())
     }
 
-    fn cgroup_dir(&self, c: &ClientSpec) -> Option<PathBuf> {
-        c.cgroup
-            .as_ref()
-            .map(|p| self.cfg.cgroup_root.join(p.strip_prefix("/").unwrap_or(p)))
-    }
-
-    fn v3_add(&self, c: &ClientSpec) -> Result<(), MpsError> {
-        let Some(cg) = self.cgroup_dir(c) else {
-            return Err(self.missing_cgroup(c));
-        };
-        self.daemon().v3(&v3::namespace_create(
-            &c.namespace(),
-            &cg,
-            &self.target.uuid,
-            &c.limits,
-        ))?;
-        self.dmem(c, Some(c.limits.memory_limit_mib))
-    }
-
-    fn missing_cgroup(&self, c: &ClientSpec) -> MpsError {
-        MpsError::MissingCgroup {
-            unit: self.target.unit.clone(),
-            claim: c.claim_uid.clone(),
-            share: c.share_id.clone(),
+    /// v3: the share's namespace with its limits; its pipe directory.
+    /// Nothing of it is left when this fails.
+    fn v3_add(&self, c: &ClientSpec) -> Result<PathBuf, MpsError> {
+        let d = self.daemon();
+        let ns = c.namespace();
+        d.v3(&v3::namespace_create(&ns))?;
+        let rest = (|| {
+            d.v3(&v3::namespace_set(&ns, &c.limits))?;
+            let out = d.v3(&v3::namespace_pipe_directory(&ns))?;
+            let dir = PathBuf::from(out.trim());
+            let pipe = self.dir.join("pipe");
+            if !dir.starts_with(&pipe) || dir == pipe || !dir.join(CONTROL_FILE).exists() {
+                return Err(MpsError::Command {
+                    unit: self.target.unit.clone(),
+                    command: v3::namespace_pipe_directory(&ns).join(" "),
+                    why: format!(
+                        "pipe directory {} is not a namespace socket directory under {}",
+                        dir.display(),
+                        pipe.display()
+                    ),
+                });
+            }
+            Ok(dir)
+        })();
+        if rest.is_err()
+            && let Err(e) = d.v3(&v3::namespace_delete(&ns))
+        {
+            tracing::warn!(unit = %self.target.unit, namespace = %ns, error = %e, "removing a half-made namespace failed");
         }
-    }
-
-    /// With the `dmem` controller (non-MIG only), also cap the pod cgroup's
-    /// device memory in the kernel: `dmem.max` = the limit, or `max` to clear.
-    fn dmem(&self, c: &ClientSpec, mib: Option<u64>) -> Result<(), MpsError> {
-        if self.target.mig {
-            return Ok(());
-        }
-        let Some(region) = self
-            .target
-            .pci_bus_id
-            .as_deref()
-            .and_then(|p| self.support.dmem_region(p))
-        else {
-            return Ok(());
-        };
-        let Some(dir) = self.cgroup_dir(c) else {
-            return Ok(());
-        };
-        if mib.is_none() && !dir.exists() {
-            return Ok(());
-        }
-        let value = mib.map_or_else(|| "max".to_string(), |m| (m * 1024 * 1024).to_string());
-        let path = dir.join("dmem.max");
-        std::fs::write(&path, format!("{region} {value}\n")).map_err(io("write", &path))
+        rest
     }
 
     /// Translate an allocation and add it as a client ([`translate`] +
@@ -708,9 +801,10 @@ impl MpsControl {
     /// it. Idempotent for the same share and limits.
     ///
     /// # Errors
-    /// Bad ids, a missing cgroup for hard limits, a share already present with
-    /// other limits, or a daemon failure. On error the client is not recorded,
-    /// other clients keep their limits, and a daemon started for it is stopped.
+    /// Bad ids, a share already present with other limits, a server that is
+    /// not `Ready`, or a daemon failure. On error the client is not recorded,
+    /// no namespace of it is left, other clients keep their limits, and a
+    /// daemon started for it is stopped.
     pub fn add_client(&mut self, c: ClientSpec) -> Result<ShareEdits, MpsError> {
         check_id("claim", &c.claim_uid)?;
         check_id("share", &c.share_id)?;
@@ -724,49 +818,68 @@ impl MpsControl {
                 });
             }
             let _: Ensure = self.ensure_daemon()?;
-            return Ok(self.edits(&c));
-        }
-        if self.capabilities().memory_limit == MemoryLimit::Hard {
-            let Some(dir) = self.cgroup_dir(&c) else {
-                return Err(self.missing_cgroup(&c));
-            };
-            if !dir.is_dir() {
-                return Err(MpsError::CgroupNotFound {
-                    unit: self.target.unit.clone(),
-                    claim: c.claim_uid,
-                    path: dir,
-                });
+            if self.protocol() == Protocol::V3 && !self.state.pipe_dirs.contains_key(&key) {
+                // A state written before carve recorded pipe directories.
+                let out = self
+                    .daemon()
+                    .v3(&v3::namespace_pipe_directory(&c.namespace()))?;
+                self.state
+                    .pipe_dirs
+                    .insert(key.clone(), PathBuf::from(out.trim()));
+                self.save()?;
             }
+            return self.edits(&c).ok_or_else(|| self.no_pipe_dir(&c));
         }
         let _: Ensure = self.ensure_daemon()?;
         let applied = match self.protocol() {
-            Protocol::V3 => self.v3_add(&c),
-            Protocol::V2 => self.v2_defaults(self.state.clients.values().chain([&c])),
+            Protocol::V3 => self.check_ready().and_then(|()| self.v3_add(&c)).map(Some),
+            Protocol::V2 => self
+                .v2_limits(self.state.clients.values().chain([&c]))
+                .map(|()| None),
         };
-        if let Err(e) = applied {
-            if self.state.clients.is_empty() {
-                self.stop_daemon()?;
-            } else if self.protocol() == Protocol::V2 {
-                // Put the others' ceilings back; the failed command may have half-applied.
-                let _ = self.v2_defaults(self.state.clients.values());
+        let dir = match applied {
+            Ok(d) => d,
+            Err(e) => {
+                if self.state.clients.is_empty() {
+                    self.stop_daemon()?;
+                } else if self.protocol() == Protocol::V2 {
+                    // Put the others' ceilings back; the failed command may have half-applied.
+                    let _ = self.v2_limits(self.state.clients.values());
+                }
+                return Err(e);
             }
-            return Err(e);
+        };
+        if let Some(d) = dir {
+            self.state.pipe_dirs.insert(key.clone(), d);
         }
-        let edits = self.edits(&c);
+        let edits = self.edits(&c).ok_or_else(|| self.no_pipe_dir(&c))?;
         self.state.clients.insert(key, c);
         self.save()?;
         Ok(edits)
     }
 
-    fn edits(&self, c: &ClientSpec) -> ShareEdits {
-        share_edits(
-            &self.dir.join("pipe"),
+    fn no_pipe_dir(&self, c: &ClientSpec) -> MpsError {
+        MpsError::Command {
+            unit: self.target.unit.clone(),
+            command: v3::namespace_pipe_directory(&c.namespace()).join(" "),
+            why: "no pipe directory recorded for the share's namespace".into(),
+        }
+    }
+
+    /// The share's container edits; `None` for a v3 share whose namespace
+    /// pipe directory is not known.
+    fn edits(&self, c: &ClientSpec) -> Option<ShareEdits> {
+        let pipe = match self.protocol() {
+            Protocol::V3 => SharePipe::Namespace(self.state.pipe_dirs.get(&c.key())?.clone()),
+            Protocol::V2 => SharePipe::Daemon(self.dir.join("pipe")),
+        };
+        Some(share_edits(
+            &pipe,
             &self.target.uuid,
-            self.capabilities(),
             &c.limits,
             &c.claim_uid,
             &c.share_id,
-        )
+        ))
     }
 
     /// Remove a claim share and its limits. Does not stop the daemon (see
@@ -785,12 +898,12 @@ impl MpsControl {
                     self.daemon().v3(&v3::namespace_delete(&c.namespace()))?;
                 }
                 Protocol::V2 => {
-                    self.v2_defaults(self.state.clients.values().filter(|o| o.key() != key))?;
+                    self.v2_limits(self.state.clients.values().filter(|o| o.key() != key))?;
                 }
             }
         }
-        self.dmem(&c, None)?;
         self.state.clients.remove(&key);
+        self.state.pipe_dirs.remove(&key);
         self.save()?;
         Ok(true)
     }

@@ -1,11 +1,29 @@
 //! What the node supports, detected once at plugin start: the MPS control
 //! protocol, cgroup v2 and the `dmem` controller.
 //!
-//! Protocol detection: carve starts a scratch daemon with `-d -p 3` in a
-//! private pipe directory and quits it again. A control binary without v3
-//! rejects the unknown `-p` option and exits non-zero: that is v2. A binary
-//! that does not exist is "MPS not installed". (`--version` output is not
-//! documented to name the protocol, so carve does not parse it.)
+//! Protocol detection is the documented test: `nvidia-cuda-mps-control -p 3
+//! -h` lists the `server` and `namespace` modules on a driver with v3 (r615+)
+//! [DYN, Requirements]. It runs with a scratch pipe directory, so it never
+//! talks to a running daemon (a call follows a running daemon's protocol
+//! [IF]). A binary that rejects `-p 3` is v2; one that does not exist is "MPS
+//! not installed". (`-v` prints a version only on Tegra, so it is not used.)
+//!
+//! Releases 615 and 620 are not told apart: where they differ (620 routes the
+//! main socket by cgroup and has `cgroup` namespace keys in its configuration
+//! file), the CLI spelling of 620's cgroup binding is not documented in what
+//! was read, so carve binds no namespace to a cgroup on either release and
+//! drives both with the 615 CLI.
+//!
+//! Enforcement published ([`Support::capabilities`]): memory is `client`
+//! on every unit. A v3 namespace's pinned limit is applied by the CUDA client
+//! and a tenant can escape it ([DYN]: one `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`
+//! entry naming an invisible device drops it); a v2 limit is the client's
+//! variable. The documented hard limit is memory partitioning set through
+//! NVML or `nvidia-smi memory-limits` on a non-MIG GPU [MP], which carve does
+//! not set up yet, so it never publishes `hard`. Compute is `percentage` in
+//! v3 (the namespace's active-thread percentage, which overrides the client's
+//! variable [ENV]; a ceiling on the threads the client may use, not a
+//! reservation [DYN]) and `client` in v2.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,7 +31,7 @@ use std::time::Duration;
 use carve_model::sharing::{ComputeLimit, MemoryLimit, MpsCapabilities};
 use serde::{Deserialize, Serialize};
 
-use crate::control::{Daemon, Protocol};
+use crate::control::Protocol;
 use crate::error::{MpsError, io};
 use crate::proc;
 
@@ -84,21 +102,16 @@ pub struct Support {
 }
 
 impl Support {
-    /// The enforcement levels to publish: v3 namespaces bound to cgroups give
-    /// `hard` memory and `percentage` compute limits; otherwise both are `client`.
-    /// (`partition` needs static SM partitioning, which carve does not set up.)
+    /// The enforcement levels of a whole GPU's MPS unit (see the module
+    /// docs); a MIG instance's are [`MpsCapabilities::on_mig`] of these.
     #[must_use]
     pub fn capabilities(&self) -> MpsCapabilities {
-        if self.protocol == Protocol::V3 && self.cgroup_v2 {
-            MpsCapabilities {
-                memory_limit: MemoryLimit::Hard,
-                compute_limit: ComputeLimit::Percentage,
-            }
-        } else {
-            MpsCapabilities {
-                memory_limit: MemoryLimit::Client,
-                compute_limit: ComputeLimit::Client,
-            }
+        MpsCapabilities {
+            memory_limit: MemoryLimit::Client,
+            compute_limit: match self.protocol {
+                Protocol::V3 => ComputeLimit::Percentage,
+                Protocol::V2 => ComputeLimit::Client,
+            },
         }
     }
 
@@ -160,26 +173,17 @@ pub fn detect(cfg: &MpsConfig) -> Result<Support, MpsError> {
         ProtocolChoice::V2 => false,
         ProtocolChoice::Auto | ProtocolChoice::V3 => probe_v3(cfg)?,
     };
-    if cfg.protocol == ProtocolChoice::V3 {
-        if !v3 {
-            return Err(MpsError::StrategyUnsupported {
-                wanted: "protocol v3".into(),
-                why: format!("{} rejects -p 3", cfg.control_binary.display()),
-            });
-        }
-        if !cgroup_v2 {
-            return Err(MpsError::StrategyUnsupported {
-                wanted: "protocol v3".into(),
-                why: format!("no cgroup v2 at {}", cfg.cgroup_root.display()),
-            });
-        }
+    if cfg.protocol == ProtocolChoice::V3 && !v3 {
+        return Err(MpsError::StrategyUnsupported {
+            wanted: "protocol v3".into(),
+            why: format!(
+                "{} -p 3 -h does not list the server and namespace modules",
+                cfg.control_binary.display()
+            ),
+        });
     }
-    // v3 without cgroup v2 cannot bind namespaces to pods: use v2.
-    let protocol = if v3 && cgroup_v2 {
-        Protocol::V3
-    } else {
-        Protocol::V2
-    };
+    // No cgroup binding is used, so v3 does not need cgroup v2.
+    let protocol = if v3 { Protocol::V3 } else { Protocol::V2 };
     Ok(Support {
         protocol,
         cgroup_v2,
@@ -187,6 +191,7 @@ pub fn detect(cfg: &MpsConfig) -> Result<Support, MpsError> {
     })
 }
 
+/// `-p 3 -h` [DYN]: v3 when it succeeds and lists `server` and `namespace`.
 fn probe_v3(cfg: &MpsConfig) -> Result<bool, MpsError> {
     let dir = cfg.mps_root().join("probe");
     crate::control::make_private_dir(&cfg.mps_root())?;
@@ -194,22 +199,32 @@ fn probe_v3(cfg: &MpsConfig) -> Result<bool, MpsError> {
         std::fs::remove_dir_all(&dir).map_err(io("remove", &dir))?;
     }
     crate::control::make_private_dir(&dir)?;
-    let d = Daemon::new(cfg, "probe", &dir, None);
-    let ok = match d.start(Protocol::V3) {
-        Ok(id) => {
-            d.stop(&id)?;
-            true
-        }
-        // The binary ran and refused `-p 3`: a v2-only driver. Anything else
-        // (it could not be run, timed out) is an error, not a protocol answer.
-        Err(MpsError::StartFailed { .. }) => false,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(e);
-        }
-    };
+    let mut cmd = std::process::Command::new(&cfg.control_binary);
+    cmd.args(crate::control::v3::HELP)
+        .env("CUDA_MPS_PIPE_DIRECTORY", &dir)
+        .env("CUDA_MPS_LOG_DIRECTORY", &dir)
+        .env_remove("CUDA_MPS_PROTOCOL_VERSION");
+    let out = proc::run(cmd, "", cfg.timeout);
     std::fs::remove_dir_all(&dir).map_err(io("remove", &dir))?;
-    Ok(ok)
+    // Could not run it at all (spawn error, timeout): not a protocol answer.
+    let out = out.map_err(|why| MpsError::Command {
+        unit: "probe".into(),
+        command: format!(
+            "{} {}",
+            cfg.control_binary.display(),
+            crate::control::v3::HELP.join(" ")
+        ),
+        why,
+    })?;
+    Ok(out.status.success() && lists_v3_modules(&out.stdout))
+}
+
+/// Whether help text names the `server` and `namespace` modules as words.
+fn lists_v3_modules(help: &str) -> bool {
+    let words: Vec<&str> = help
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+        .collect();
+    words.contains(&"server") && words.contains(&"namespace")
 }
 
 #[cfg(test)]
@@ -235,6 +250,26 @@ mod tests {
             Some("nvidia/0000:3b:00.0/vidmem")
         );
         assert_eq!(s.dmem_region("0000:01:00.0"), None);
+    }
+
+    #[test]
+    fn the_v3_test_wants_both_module_words() {
+        assert!(lists_v3_modules("Modules:\n  server\n  namespace\n"));
+        assert!(!lists_v3_modules("get_server_list\nquit\n"));
+        assert!(!lists_v3_modules("server only\n"));
+    }
+
+    #[test]
+    fn memory_is_never_published_hard() {
+        for protocol in [Protocol::V2, Protocol::V3] {
+            let s = Support {
+                protocol,
+                cgroup_v2: true,
+                dmem_regions: vec!["nvidia/0000:3b:00.0/vidmem".into()],
+            };
+            assert_eq!(s.capabilities().memory_limit, MemoryLimit::Client);
+            assert_eq!(s.capabilities().on_mig().memory_limit, MemoryLimit::Client);
+        }
     }
 
     #[test]

@@ -85,25 +85,18 @@ pub enum MpsError {
         /// What is missing.
         why: String,
     },
-    /// Hard limits need the claim's cgroup, and none was given.
-    #[error("{unit}: claim {claim} share {share}: hard MPS limits need the pod cgroup, none given")]
-    MissingCgroup {
+    /// v3: the control daemon's server is not `Ready` (a `server create` can
+    /// succeed and leave no server; clients would then run without MPS).
+    #[error("{unit}: MPS server {server} is not Ready (status: {status}); server.log: {log}")]
+    ServerNotReady {
         /// Shared device.
         unit: String,
-        /// Claim UID.
-        claim: String,
-        /// Share ID.
-        share: String,
-    },
-    /// The claim's cgroup does not exist under the cgroup root.
-    #[error("{unit}: claim {claim}: cgroup {path} does not exist")]
-    CgroupNotFound {
-        /// Shared device.
-        unit: String,
-        /// Claim UID.
-        claim: String,
-        /// The cgroup directory.
-        path: PathBuf,
+        /// The server name.
+        server: String,
+        /// Its status, or why it is not listed.
+        status: String,
+        /// The last lines of its `server.log`, if any.
+        log: String,
     },
     /// The same claim and share were added before with other limits.
     #[error("{unit}: claim {claim} share {share} is already a client with other limits")]

@@ -3,8 +3,9 @@
 //! daemon per shared whole GPU or MIG instance ([`MpsControl`]: start with its
 //! own pipe and log directories, adopt across plugin restarts, restart and
 //! re-apply limits after a crash, `quit` after the last claim), turn each
-//! claim share's limits into v2 commands or v3 namespaces bound to the pod
-//! cgroup, and describe the share's container edits ([`ShareEdits`]).
+//! claim share's limits into v2 commands or a v3 namespace of its own, and
+//! describe the share's container edits ([`ShareEdits`]: in v3 only the
+//! namespace's pipe directory).
 //!
 //! Not here: the device descriptions and `consumedCapacity` translation
 //! (`carve_model::sharing`), writing CDI files, GPU compute mode (NVML), MIG
@@ -13,9 +14,11 @@
 //!
 //! [`fake`] stands in for `nvidia-cuda-mps-control` in tests and `carve
 //! simulate` (as the `carve-fake-mps-control` binary of this crate, or the
-//! `carve` binary run through a link of that name): it speaks v2 stdin
-//! commands and the v3 verbs of [`control::v3`], records what it gets, and
-//! crashes on request.
+//! `carve` binary run through a link of that name): written from NVIDIA's
+//! documentation (`../shared/reference/mps-v3.md`), it rejects what the real
+//! daemon rejects, models per-server and per-namespace sockets, UID routing
+//! and servers that never become `Ready`, records what it gets, and crashes
+//! on request.
 
 pub mod cdi;
 pub mod cgroup;

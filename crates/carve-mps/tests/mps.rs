@@ -46,11 +46,10 @@ impl Node {
             "nvidia/0000:3b:00.0/vidmem 85899345920\n",
         )
         .unwrap();
-        let binary = if fake_env.is_empty() {
-            PathBuf::from(FAKE)
-        } else {
+        // The daemon runs as root, as the plugin does (the fake's rule 7).
+        let binary = {
             let script = tmp.path().join("nvidia-cuda-mps-control");
-            let mut s = String::from("#!/bin/sh\n");
+            let mut s = String::from("#!/bin/sh\nexport FAKE_MPS_AS_UID=0\n");
             for (k, v) in fake_env {
                 s.push_str(&format!("export {k}='{v}'\n"));
             }
@@ -213,17 +212,66 @@ fn verb(pipe: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// The namespaces of server `carve`, without `default`.
+fn namespaces(pipe: &Path) -> Vec<String> {
+    verb(
+        pipe,
+        &[
+            "namespace",
+            "list",
+            "--server=carve",
+            "--format=csv,noheader",
+        ],
+    )
+    .lines()
+    .filter_map(|l| l.split(',').next())
+    .filter(|n| !n.is_empty() && *n != "default")
+    .map(str::to_string)
+    .collect()
+}
+
+fn ns(claim: &str, share: &str) -> String {
+    carve_mps::control::v3::namespace_name(claim, share)
+}
+
+/// A CUDA client started with the share's environment, its pipe directory
+/// reached at the mount's host path (the container path is the same path):
+/// where it landed (`server=… namespace=… pinned=… atp=…`).
+fn client_of(e: &carve_mps::ShareEdits, uid: u32) -> String {
+    let mut c = Command::new(FAKE);
+    c.env_remove("CUDA_MPS_PIPE_DIRECTORY")
+        .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+        .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        .env_remove("CUDA_VISIBLE_DEVICES");
+    for kv in &e.env {
+        let (k, v) = kv.split_once('=').unwrap();
+        let v = e
+            .mounts
+            .iter()
+            .find(|m| m.container_path == v)
+            .map_or_else(|| v.to_string(), |m| m.host_path.display().to_string());
+        c.env(k, v);
+    }
+    let o = c
+        .args([carve_mps::fake::CUDA_CLIENT, &format!("--uid={uid}")])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
 fn mode(p: &Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o777
 }
 
 #[test]
-fn v3_several_claims_on_one_gpu_get_namespaces_bound_to_their_cgroups() {
+fn v3_several_claims_on_one_gpu_get_a_namespace_each_that_their_pods_connect_to() {
     let node = Node::new(&[]);
     let support = detect(&node.cfg).unwrap();
     assert_eq!(support.protocol, Protocol::V3);
     let caps = support.capabilities();
-    assert_eq!(caps.memory_limit, MemoryLimit::Hard);
+    // The namespace's pinned limit can be escaped by the tenant [DYN]: client.
+    assert_eq!(caps.memory_limit, MemoryLimit::Client);
     assert_eq!(caps.compute_limit, ComputeLimit::Percentage);
     assert!(node.daemons().is_empty(), "probe daemon left behind");
 
@@ -231,22 +279,10 @@ fn v3_several_claims_on_one_gpu_get_namespaces_bound_to_their_cgroups() {
     let dev = MpsDeviceSpec::whole(&gpu, caps).unwrap();
     let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
     let a = c
-        .prepare(
-            &dev,
-            &cc("2Gi", "8"),
-            "claim-a",
-            "s1",
-            Some("kubepods/pod-a".into()),
-        )
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
         .unwrap();
     let b = c
-        .prepare(
-            &dev,
-            &cc("3000Mi", "17"),
-            "claim-b",
-            "s1",
-            Some("/kubepods/pod-b".into()),
-        )
+        .prepare(&dev, &cc("3000Mi", "17"), "claim-b", "s1", None)
         .unwrap();
     let (la, lb) = (
         translate(&cc("2Gi", "8"), &dev).unwrap(),
@@ -254,23 +290,33 @@ fn v3_several_claims_on_one_gpu_get_namespaces_bound_to_their_cgroups() {
     );
     assert_eq!(lb.memory_limit_mib, 3072);
     let p = pipe(&c);
-    let cg = |pod: &str| node.cgroup(pod).display().to_string();
-    assert_eq!(
-        requests(&p),
-        [
-            format!("verb server create --name=carve --allowed-devices={GPU_UUID}"),
-            format!(
-                "verb namespace create --server=carve --name=claim-a.s1 --cgroup={} --pinned-memory-limit={GPU_UUID}=2048M --active-thread-percentage={}",
-                cg("pod-a"),
-                la.active_thread_percentage
-            ),
-            format!(
-                "verb namespace create --server=carve --name=claim-b.s1 --cgroup={} --pinned-memory-limit={GPU_UUID}=3072M --active-thread-percentage={}",
-                cg("pod-b"),
-                lb.active_thread_percentage
-            ),
-        ]
+    let (na, nb) = (ns("claim-a", "s1"), ns("claim-b", "s1"));
+    assert!(
+        na.len() <= 64
+            && na
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
     );
+    let add = |n: &str, l: &carve_model::sharing::MpsLimits| {
+        vec![
+            "verb server get carve status".to_string(),
+            format!("verb namespace create {n} --server=carve"),
+            format!(
+                "verb namespace set {n} --server=carve --pinned-memory-limit={}M --active-thread-percentage={}",
+                l.memory_limit_mib, l.active_thread_percentage
+            ),
+            format!("verb namespace get {n} carve pipe-directory"),
+        ]
+    };
+    let mut want = vec![
+        format!("verb server create carve --allowed-devices={GPU_UUID}"),
+        "verb server get carve status".to_string(),
+    ];
+    want.extend(add(&na, &la));
+    want.extend(add(&nb, &lb));
+    assert_eq!(requests(&p), want);
+    let log = std::fs::read_to_string(p.join("fake-mps-control.log")).unwrap();
+    assert!(log.contains("multiuser=true"), "{log}");
     let env = started_env(&p);
     assert!(
         env.contains(&format!("CUDA_VISIBLE_DEVICES={GPU_UUID}")),
@@ -284,15 +330,45 @@ fn v3_several_claims_on_one_gpu_get_namespaces_bound_to_their_cgroups() {
     for d in [c.dir().to_path_buf(), p.clone(), c.dir().join("log")] {
         assert_eq!(mode(&d), 0o700, "{}", d.display());
     }
-    // Kernel cap through dmem on top of the namespace limit.
+    // No dmem file is written by carve.
+    assert!(!node.cgroup("pod-a").join("dmem.max").exists());
+    // Each share mounts only its namespace's directory, at the same path.
+    let ns_dir = p.join("carve").join(&na);
     assert_eq!(
-        std::fs::read_to_string(node.cgroup("pod-a").join("dmem.max")).unwrap(),
-        format!("nvidia/0000:3b:00.0/vidmem {}\n", 2048u64 << 20)
+        a.env,
+        [format!("CUDA_MPS_PIPE_DIRECTORY={}", ns_dir.display())]
     );
-    // Hard limits: no client variables; distinct CDI devices per share.
-    assert_eq!(a.env, ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]);
-    assert_eq!(a.mounts[0].host_path, p);
+    assert_eq!(a.mounts.len(), 1);
+    assert_eq!(a.mounts[0].host_path, ns_dir);
+    assert_ne!(a.mounts[0].host_path, p);
     assert_ne!(a.cdi_name, b.cdi_name);
+    // A pod's client through that directory lands in its namespace, with
+    // its limits, whatever its UID; not in a uid_ server.
+    assert_eq!(
+        client_of(&a, 1000),
+        format!(
+            "server=carve namespace={na} pinned=2048M atp={}",
+            la.active_thread_percentage
+        )
+    );
+    assert_eq!(
+        client_of(&b, 2000),
+        format!(
+            "server=carve namespace={nb} pinned=3072M atp={}",
+            lb.active_thread_percentage
+        )
+    );
+    // (Had carve mounted the daemon's whole directory, the main socket would
+    // route it by UID to an unlimited server.)
+    let whole = carve_mps::ShareEdits {
+        env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={}", p.display())],
+        mounts: vec![],
+        ..a.clone()
+    };
+    assert_eq!(
+        client_of(&whole, 1000),
+        "server=uid_1000 namespace=default pinned=none atp=none"
+    );
     let pid = c.identity().unwrap().pid;
     assert_eq!(node.daemons(), [pid]);
 
@@ -302,13 +378,10 @@ fn v3_several_claims_on_one_gpu_get_namespaces_bound_to_their_cgroups() {
     assert!(!c.stop_if_idle().unwrap());
     assert_eq!(
         requests(&p).last().unwrap(),
-        "verb namespace delete --server=carve --name=claim-a.s1"
+        &format!("verb namespace delete {na} --server=carve --force")
     );
-    assert_eq!(
-        std::fs::read_to_string(node.cgroup("pod-a").join("dmem.max")).unwrap(),
-        "nvidia/0000:3b:00.0/vidmem max\n"
-    );
-    assert_eq!(verb(&p, &["namespace", "list"]).trim(), "claim-b.s1");
+    assert!(!ns_dir.exists());
+    assert_eq!(namespaces(&p), vec![nb]);
 
     // Last claim: quit, process gone, pid file gone.
     assert!(c.remove_client("claim-b", "s1").unwrap());
@@ -322,12 +395,13 @@ fn v3_several_claims_on_one_gpu_get_namespaces_bound_to_their_cgroups() {
 }
 
 #[test]
-fn v2_claims_get_daemon_ceilings_and_client_variables() {
+fn v2_claims_get_client_variables_under_ceilings_set_on_the_running_server() {
     let node = Node::v2_only();
     let support = detect(&node.cfg).unwrap();
     assert_eq!(support.protocol, Protocol::V2);
     let caps = support.capabilities();
     assert_eq!(caps.memory_limit, MemoryLimit::Client);
+    assert_eq!(caps.compute_limit, ComputeLimit::Client);
     let dev = MpsDeviceSpec::whole(&h100(), caps).unwrap();
     let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
     let a = c
@@ -342,10 +416,28 @@ fn v2_claims_get_daemon_ceilings_and_client_variables() {
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={}",
         la.active_thread_percentage
     )));
-    c.prepare(&dev, &cc("8Gi", "32"), "claim-b", "s1", None)
-        .unwrap();
-    c.remove_client("claim-b", "s1").unwrap();
+    // A's pod starts the server: it takes the ceiling of now (A's).
     let p = pipe(&c);
+    assert_eq!(
+        client_of(&a, 0),
+        format!(
+            "server=v2_40001 namespace=none pinned=2048M atp={}",
+            la.active_thread_percentage
+        )
+    );
+    // B is larger: set_default_* alone would leave the running server at
+    // A's ceiling [V2]; carve sets it on the running server too.
+    let b = c
+        .prepare(&dev, &cc("8Gi", "32"), "claim-b", "s1", None)
+        .unwrap();
+    assert_eq!(
+        client_of(&b, 0),
+        format!(
+            "server=v2_40001 namespace=none pinned=8192M atp={}",
+            lb.active_thread_percentage
+        )
+    );
+    c.remove_client("claim-b", "s1").unwrap();
     let pct = |l: &carve_model::sharing::MpsLimits| {
         format!(
             "cmd set_default_active_thread_percentage {}",
@@ -353,17 +445,22 @@ fn v2_claims_get_daemon_ceilings_and_client_variables() {
         )
     };
     let mem = |mib: u64| format!("cmd set_default_device_pinned_mem_limit {GPU_UUID} {mib}M");
-    assert_eq!(
-        requests(&p),
+    let list = "cmd get_server_list".to_string();
+    let on = |mib: u64, l: &carve_model::sharing::MpsLimits| {
         [
-            mem(2048),
-            pct(&la),
-            mem(8192),
-            pct(&lb),
-            mem(2048),
-            pct(&la)
+            format!("cmd set_device_pinned_mem_limit 40001 {GPU_UUID} {mib}M"),
+            format!(
+                "cmd set_active_thread_percentage 40001 {}",
+                l.active_thread_percentage
+            ),
         ]
-    );
+    };
+    let mut want = vec![mem(2048), pct(&la), list.clone()];
+    want.extend([mem(8192), pct(&lb), list.clone()]);
+    want.extend(on(8192, &lb));
+    want.extend([mem(2048), pct(&la), list.clone()]);
+    want.extend(on(2048, &la));
+    assert_eq!(requests(&p), want);
     let pid = c.identity().unwrap().pid;
     c.remove_client("claim-a", "s1").unwrap();
     assert!(c.stop_if_idle().unwrap());
@@ -402,19 +499,22 @@ fn claims_on_a_mig_instance_share_its_daemon_with_the_instance_totals() {
     let r = requests(&p);
     assert_eq!(
         r[0],
-        format!("verb server create --name=carve --allowed-devices={MIG_UUID}")
+        format!("verb server create carve --allowed-devices={MIG_UUID}")
     );
+    let nb = ns("claim-b", "s2");
     assert!(
-        r[2].contains(&format!("--pinned-memory-limit={MIG_UUID}=4096M")),
+        r.contains(&format!(
+            "verb namespace set {nb} --server=carve --pinned-memory-limit=4096M --active-thread-percentage={}",
+            (800u32).div_ceil(sms)
+        )),
         "{r:?}"
     );
-    assert!(r[2].ends_with(&format!(
-        "--active-thread-percentage={}",
-        (800u32).div_ceil(sms)
-    )));
     assert!(started_env(&p).contains(&format!("CUDA_VISIBLE_DEVICES={MIG_UUID}")));
-    // dmem partitions no MIG instance.
+    // Memory partitioning does not support MIG: never hard there.
+    assert_eq!(c.capabilities().memory_limit, MemoryLimit::Client);
+    assert_eq!(dev.caps.memory_limit, MemoryLimit::Client);
     assert!(!node.cgroup("pod-a").join("dmem.max").exists());
+    let before = requests(&p);
     // Beyond the instance: refused, the other claims untouched.
     let e = c
         .prepare(
@@ -429,7 +529,7 @@ fn claims_on_a_mig_instance_share_its_daemon_with_the_instance_totals() {
         matches!(&e, MpsError::Translate { source, .. } if matches!(**source, SharingError::BeyondDevice { .. })),
         "{e}"
     );
-    assert_eq!(requests(&p).len(), 3);
+    assert_eq!(requests(&p), before);
     assert_eq!(c.clients().count(), 2);
     for (cl, s) in [("claim-a", "s1"), ("claim-b", "s2")] {
         c.remove_client(cl, s).unwrap();
@@ -473,11 +573,24 @@ fn a_crashed_daemon_is_restarted_with_every_claims_limits() {
     assert_ne!(new, old);
     assert!(alive(new));
     assert_eq!(starts(&p), 2);
-    assert_eq!(requests(&p), before);
-    assert_eq!(
-        verb(&p, &["namespace", "list"]).trim(),
-        "claim-a.s1\nclaim-b.s1"
-    );
+    // The new daemon gets the server (checked Ready) and both namespaces
+    // with their limits again.
+    let again = requests(&p);
+    assert_eq!(again[..2], before[..2]);
+    for (cl, l) in [("claim-a", "2048M"), ("claim-b", "4096M")] {
+        let n = ns(cl, "s1");
+        assert!(
+            again.iter().any(|r| r.starts_with(&format!(
+                "verb namespace set {n} --server=carve --pinned-memory-limit={l}"
+            ))),
+            "{again:?}"
+        );
+    }
+    let mut want = vec![ns("claim-a", "s1"), ns("claim-b", "s1")];
+    want.sort();
+    assert_eq!(namespaces(&p), want);
+    let (e, _) = c.share("claim-a", "s1").unwrap();
+    assert!(client_of(&e, 1000).contains(&format!("namespace={}", ns("claim-a", "s1"))));
     c.remove_client("claim-a", "s1").unwrap();
     c.remove_client("claim-b", "s1").unwrap();
     c.stop_if_idle().unwrap();
@@ -517,6 +630,7 @@ fn v2_crash_mid_command_keeps_the_other_claim_and_restarts_it_alone() {
         [
             format!("cmd set_default_device_pinned_mem_limit {GPU_UUID} 2048M"),
             "cmd set_default_active_thread_percentage 7".to_string(),
+            "cmd get_server_list".to_string(),
         ]
     );
     c.remove_client("claim-a", "s1").unwrap();
@@ -578,7 +692,8 @@ fn a_restarted_plugin_adopts_the_running_daemon_without_touching_it() {
         Some("kubepods/pod-b".into()),
     )
     .unwrap();
-    assert_eq!(requests(&p).len(), before.len() + 1);
+    // Claim B: the server checked, its namespace created, set, located.
+    assert_eq!(requests(&p).len(), before.len() + 4);
     c.remove_client("claim-a", "s1").unwrap();
     c.remove_client("claim-b", "s1").unwrap();
     assert!(c.stop_if_idle().unwrap());
@@ -606,20 +721,6 @@ fn bad_allocations_start_nothing_and_leave_other_claims_alone() {
         "{e}"
     );
     assert!(e.to_string().contains("claim-a"));
-    let e = c
-        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
-        .unwrap_err();
-    assert!(matches!(e, MpsError::MissingCgroup { .. }), "{e}");
-    let e = c
-        .prepare(
-            &dev,
-            &cc("2Gi", "8"),
-            "claim-a",
-            "s1",
-            Some("kubepods/pod-x".into()),
-        )
-        .unwrap_err();
-    assert!(matches!(&e, MpsError::CgroupNotFound { path, .. } if path.ends_with("pod-x")));
     let e = c
         .prepare(
             &dev,
@@ -658,7 +759,7 @@ fn bad_allocations_start_nothing_and_leave_other_claims_alone() {
     assert!(e.to_string().contains("claim-b"), "{e}");
     assert_eq!(requests(&p), before);
     assert_eq!(c.identity().unwrap().pid, pid);
-    assert_eq!(verb(&p, &["namespace", "list"]).trim(), "claim-a.s1");
+    assert_eq!(namespaces(&p), [ns("claim-a", "s1")]);
     c.remove_client("claim-a", "s1").unwrap();
     assert!(c.stop_if_idle().unwrap());
     wait_dead(pid);
@@ -666,7 +767,8 @@ fn bad_allocations_start_nothing_and_leave_other_claims_alone() {
 
 #[test]
 fn a_first_claim_the_daemon_rejects_leaves_no_daemon() {
-    let node = Node::new(&[("FAKE_MPS_CRASH_ON", "--name=claim-a.s1")]);
+    let na = ns("claim-a", "s1");
+    let node = Node::new(&[("FAKE_MPS_CRASH_ON", &na)]);
     let support = detect(&node.cfg).unwrap();
     let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
     let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
@@ -687,8 +789,9 @@ fn a_first_claim_the_daemon_rejects_leaves_no_daemon() {
     let reopened = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
     assert!(reopened.identity().is_none() && reopened.is_idle());
 
-    // A daemon that stays up but refuses the first claim is quit.
-    let node = Node::new(&[("FAKE_MPS_REJECT", "--name=claim-a.s1")]);
+    // A daemon that stays up but refuses the first claim's limits: the
+    // namespace it made is deleted, then the daemon is quit.
+    let node = Node::new(&[("FAKE_MPS_REJECT", "--pinned-memory-limit=2048M")]);
     let support = detect(&node.cfg).unwrap();
     let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
     let e = c
@@ -701,13 +804,21 @@ fn a_first_claim_the_daemon_rejects_leaves_no_daemon() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("rejected on request"), "{e}");
-    assert!(requests(&pipe(&c)).ends_with(&["verb -q".to_string()]));
+    assert!(e.to_string().contains("gpu-0-mps"), "{e}");
+    assert!(
+        requests(&pipe(&c)).ends_with(&[
+            format!("verb namespace delete {na} --server=carve --force"),
+            "verb -q".to_string()
+        ]),
+        "{:?}",
+        requests(&pipe(&c))
+    );
     assert!(c.identity().is_none());
     assert!(node.daemons().is_empty());
     // Claim B is accepted by a fresh daemon afterwards.
     c.prepare(
         &dev,
-        &cc("2Gi", "8"),
+        &cc("3Gi", "8"),
         "claim-b",
         "s1",
         Some("kubepods/pod-b".into()),
@@ -735,17 +846,14 @@ fn mps_not_installed_and_unsupported_strategies_are_named() {
     assert!(matches!(e, MpsError::StrategyUnsupported { .. }), "{e}");
     assert!(v2.daemons().is_empty());
 
-    // v3 driver, but no cgroup v2: v3 cannot be required, Auto falls back to v2.
+    // v3 needs no cgroup v2 (carve binds no namespace to a cgroup).
     let node = Node::new(&[]);
     std::fs::remove_file(node.cfg.cgroup_root.join("cgroup.controllers")).unwrap();
     let mut cfg = node.cfg.clone();
     cfg.protocol = ProtocolChoice::V3;
-    assert!(matches!(
-        detect(&cfg),
-        Err(MpsError::StrategyUnsupported { .. })
-    ));
-    let s: Support = detect(&node.cfg).unwrap();
-    assert_eq!(s.protocol, Protocol::V2);
+    let s: Support = detect(&cfg).unwrap();
+    assert_eq!(s.protocol, Protocol::V3);
+    assert!(!s.cgroup_v2);
     assert_eq!(s.capabilities().memory_limit, MemoryLimit::Client);
     assert!(node.daemons().is_empty());
 
@@ -767,5 +875,93 @@ fn mps_not_installed_and_unsupported_strategies_are_named() {
         })
         .unwrap_err();
     assert!(matches!(e, MpsError::BadId { what: "share", .. }));
+    assert!(node.daemons().is_empty());
+}
+
+#[test]
+fn a_server_that_never_becomes_ready_fails_the_claim_by_unit_and_leaves_no_daemon() {
+    // [DYN]: `server create` succeeds, the server exits at once.
+    let node = Node::new(&[("FAKE_MPS_SERVER_EXITS", "carve")]);
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let e = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    assert!(
+        matches!(&e, MpsError::ServerNotReady { unit, server, .. } if unit == "gpu-0-mps" && server == "carve"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("no CUDA-capable device"), "{e}");
+    assert!(c.identity().is_none() && c.is_idle());
+    assert!(node.daemons().is_empty());
+
+    // A server stuck in another status is no better.
+    let node = Node::new(&[("FAKE_MPS_SERVER_STATUS", "Starting")]);
+    let support = detect(&node.cfg).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let e = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    assert!(e.to_string().contains("status: Starting"), "{e}");
+    assert!(node.daemons().is_empty());
+}
+
+#[test]
+fn a_daemon_refusing_or_dying_on_a_second_share_leaves_the_first_untouched() {
+    // Refused: B's limits. B's namespace is removed again, A keeps its own.
+    let node = Node::new(&[("FAKE_MPS_REJECT", "--pinned-memory-limit=4096M")]);
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let a = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let pid = c.identity().unwrap().pid;
+    let p = pipe(&c);
+    let e = c
+        .prepare(&dev, &cc("4Gi", "8"), "claim-b", "s1", None)
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("gpu-0-mps") && msg.contains("rejected on request"),
+        "{msg}"
+    );
+    let nb = ns("claim-b", "s1");
+    assert_eq!(
+        requests(&p).last().unwrap(),
+        &format!("verb namespace delete {nb} --server=carve --force")
+    );
+    assert_eq!(namespaces(&p), [ns("claim-a", "s1")]);
+    assert!(!p.join("carve").join(&nb).exists());
+    assert_eq!(c.clients().count(), 1);
+    assert_eq!(c.identity().unwrap().pid, pid);
+    assert!(client_of(&a, 1000).contains("pinned=2048M"));
+    c.remove_client("claim-a", "s1").unwrap();
+    assert!(c.stop_if_idle().unwrap());
+    wait_dead(pid);
+
+    // Dying: on B's namespace. A is kept and comes back alone.
+    let nb = ns("claim-b", "s1");
+    let node = Node::new(&[("FAKE_MPS_CRASH_ON", &nb)]);
+    let support = detect(&node.cfg).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    c.prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let old = c.identity().unwrap().pid;
+    let e = c
+        .prepare(&dev, &cc("4Gi", "8"), "claim-b", "s1", None)
+        .unwrap_err();
+    assert!(matches!(e, MpsError::Command { .. }), "{e}");
+    assert!(e.to_string().contains("gpu-0-mps"), "{e}");
+    wait_dead(old);
+    assert_eq!(c.clients().count(), 1);
+    assert_eq!(c.ensure_running().unwrap(), Ensure::Restarted);
+    let p = pipe(&c);
+    assert_eq!(namespaces(&p), [ns("claim-a", "s1")]);
+    let (a, _) = c.share("claim-a", "s1").unwrap();
+    assert!(client_of(&a, 1000).contains("pinned=2048M"));
+    c.remove_client("claim-a", "s1").unwrap();
+    assert!(c.stop_if_idle().unwrap());
     assert!(node.daemons().is_empty());
 }

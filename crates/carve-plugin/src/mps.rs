@@ -63,7 +63,9 @@ fn mps_err(device: &str) -> impl FnOnce(MpsError) -> ClaimError + '_ {
     }
 }
 
-/// The pod cgroup a share binds to: the first pod of `pods` whose cgroup exists.
+/// The pod cgroup a share binds to: the first pod of `pods` whose cgroup
+/// exists; only where memory is `hard`, which carve publishes nowhere today
+/// (no MPS namespace is bound to a cgroup: release 615 has no binding).
 fn resolve_cgroup(
     setup: &MpsSetup,
     device: &str,

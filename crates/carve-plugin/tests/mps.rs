@@ -1,9 +1,11 @@
 //! MPS shares through the real `Driver`: the NVML simulator library, the
-//! API-server stand-in, the fake `nvidia-cuda-mps-control` as a real child
-//! process, and a fake cgroup tree in a temp dir for MPS v3.
+//! API-server stand-in, and the fake `nvidia-cuda-mps-control` (written from
+//! NVIDIA's documentation, rejecting what the real daemon rejects) as a real
+//! child process.
 //!
-//! Covered: several claims on one GPU (one daemon, one namespace per share,
-//! compute mode), claims on one MIG instance (created by the first share,
+//! Covered: several claims on one GPU (one daemon, one v3 namespace per share
+//! whose directory alone the container gets, a client through it landing in
+//! the namespace with its limits, compute mode), claims on one MIG instance (created by the first share,
 //! destroyed after the last), v3 and v2, a daemon that dies and is restarted
 //! with its limits, a plugin restart with running claims (daemon adopted
 //! untouched), last-claim teardown, a crash between attaching and completing,
@@ -130,6 +132,10 @@ fn ok(
     }
 }
 
+fn ns(claim: &str, share: &str) -> String {
+    carve_mps::control::v3::namespace_name(claim, share)
+}
+
 fn env_of(node: &Node, uid: &str) -> Vec<String> {
     let spec = CdiSpec::read(&claim_spec_path(&node.config.cdi_dir, uid)).unwrap();
     spec.devices[0].container_edits.env.clone()
@@ -139,7 +145,7 @@ const POD_A: &str = "0000000a-0000-0000-0000-00000000000a";
 const POD_B: &str = "0000000b-0000-0000-0000-00000000000b";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
+async fn v3_claims_share_a_gpu_through_a_namespace_each() {
     let node = mps_node(
         vec![GpuEntry::new("h100-80gb", 2, false)],
         ProtocolChoice::Auto,
@@ -178,50 +184,83 @@ async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
         "{da:?}"
     );
 
-    // One daemon, v3, on GPU 0 only; one namespace per share with its limits
-    // (memory rounded up to the 256 MiB step, SMs to the step of 2, as a
-    // percentage of the H100's 132 SMs), bound to the pod cgroup.
+    // One daemon, v3 multiuser, on GPU 0 only; one namespace per share,
+    // created then given its limits (memory rounded up to the 256 MiB step,
+    // SMs to the step of 2, as a percentage of the H100's 132 SMs).
     let log = fake_log(&node, "gpu-0-mps");
     assert_eq!(log.matches("start pid=").count(), 1, "{log}");
-    assert!(log.contains("protocol=3"), "{log}");
+    assert!(log.contains("protocol=3 multiuser=true"), "{log}");
     assert!(
         log.contains(&format!("env CUDA_VISIBLE_DEVICES={uuid0}")),
         "{log}"
     );
-    let root = &setup(&node.config).config.cgroup_root;
+    let (na, nc) = (ns("u-a", "s-a"), ns("u-c", "s-c"));
+    for line in [
+        format!("verb server create carve --allowed-devices={uuid0}"),
+        "verb server get carve status".to_string(),
+        format!("verb namespace create {na} --server=carve"),
+        format!(
+            "verb namespace set {na} --server=carve --pinned-memory-limit=20480M --active-thread-percentage=23"
+        ),
+        format!("verb namespace get {na} carve pipe-directory"),
+        format!(
+            "verb namespace set {nc} --server=carve --pinned-memory-limit=10240M --active-thread-percentage=14"
+        ),
+    ] {
+        assert!(log.lines().any(|l| l == line), "{line} not in {log}");
+    }
+    // No cgroup binding (615 has none), no dmem file written.
+    assert!(!log.contains("cgroup"), "{log}");
     assert!(
-        log.contains(&format!(
-            "namespace create --server=carve --name=u-a.s-a --cgroup={} --pinned-memory-limit={uuid0}=20480M --active-thread-percentage=23",
-            root.join(&cg_a).display()
-        )),
-        "{log}"
+        !setup(&node.config)
+            .config
+            .cgroup_root
+            .join(&cg_a)
+            .join("dmem.max")
+            .exists()
     );
-    assert!(
-        log.contains(&format!(
-            "--name=u-c.s-c --cgroup={} --pinned-memory-limit={uuid0}=10240M --active-thread-percentage=14",
-            root.join(&cg_b).display()
-        )),
-        "{log}"
-    );
-    // Server-side limits: the container gets the pipe, not limit variables.
+    let _ = &cg_b;
+    // The container gets only its namespace's directory, no limit variables.
     let env = env_of(&node, "u-a");
     assert!(
         env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid0}")),
         "{env:?}"
     );
-    assert!(env.contains(&"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string()));
+    let ns_dir = unit_dir(&node, "gpu-0-mps")
+        .join("pipe")
+        .join("carve")
+        .join(&na);
     assert!(
-        !env.iter().any(|e| e.starts_with("CUDA_MPS_PINNED")),
+        env.contains(&format!("CUDA_MPS_PIPE_DIRECTORY={}", ns_dir.display())),
+        "{env:?}"
+    );
+    assert!(
+        !env.iter()
+            .any(|e| e.starts_with("CUDA_MPS_PINNED") || e.starts_with("CUDA_MPS_ACTIVE")),
         "{env:?}"
     );
     let spec = CdiSpec::read(&claim_spec_path(&node.config.cdi_dir, "u-a")).unwrap();
     let m = &spec.devices[0].container_edits.mounts;
     assert_eq!(m.len(), 1);
+    assert_eq!(Path::new(&m[0].host_path), ns_dir);
+    assert_eq!(m[0].container_path, ns_dir.display().to_string());
+    // A pod's CUDA client with that environment, through that mount (same
+    // path), lands in the share's namespace with its limits.
+    let o = std::process::Command::new(FAKE)
+        .env("CUDA_MPS_PIPE_DIRECTORY", &m[0].host_path)
+        .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+        .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        // This process's UID: the daemon runs as it (other UIDs need a root
+        // daemon, which carve-mps's tests of the fake cover).
+        .args([carve_mps::fake::CUDA_CLIENT])
+        .output()
+        .unwrap();
     assert_eq!(
-        Path::new(&m[0].host_path),
-        unit_dir(&node, "gpu-0-mps").join("pipe")
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("server=carve namespace={na} pinned=20480M atp=23"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
     );
-    assert_eq!(m[0].container_path, "/tmp/nvidia-mps");
     // Compute mode and status.
     assert_eq!(
         b.compute_mode(ComputeTarget::Gpu(0)).unwrap(),
@@ -235,7 +274,10 @@ async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
     let data = &rc["status"]["devices"][0]["data"];
     assert_eq!(data["sharing"], "mps", "{rc}");
     assert_eq!(data["mps"]["memoryLimitMiB"], 20480);
-    assert_eq!(data["mps"]["memoryLimit"], "hard");
+    // The namespace's pinned limit can be escaped by the tenant [DYN]:
+    // published as `client`; compute as the namespace percentage.
+    assert_eq!(data["mps"]["memoryLimit"], "client");
+    assert_eq!(data["mps"]["computeLimit"], "percentage");
 
     // The whole GPU and its MIG devices are refused while shared; GPU 1 is fine.
     let whole = put_claim(
@@ -273,7 +315,8 @@ async fn v3_claims_share_a_gpu_with_namespaces_bound_to_their_pods() {
     let pid = daemon_pid(&node, "gpu-0-mps").unwrap();
     driver.unprepare_one("u-a").await.unwrap();
     assert!(
-        fake_log(&node, "gpu-0-mps").contains("namespace delete --server=carve --name=u-a.s-a")
+        fake_log(&node, "gpu-0-mps")
+            .contains(&format!("namespace delete {na} --server=carve --force"))
     );
     assert!(alive(pid));
     driver.unprepare_one("u-c").await.unwrap();
@@ -430,7 +473,8 @@ async fn a_dead_daemon_is_restarted_with_its_limits_and_a_restart_adopts_a_live_
     let new_pid = daemon_pid(&node, "gpu-0-mps").unwrap();
     assert_ne!(new_pid, pid);
     let log = fake_log(&node, "gpu-0-mps");
-    assert_eq!(log.matches("--name=u-a.s-a").count(), 2, "{log}");
+    let set = format!("verb namespace set {} --server=carve", ns("u-a", "s-a"));
+    assert_eq!(log.matches(&set).count(), 2, "{log}");
     driver.unprepare_one("u-a").await.unwrap();
     wait_gone(new_pid);
 }
@@ -482,14 +526,6 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
             uid: "u-noshare".into(),
         }
     };
-    // v3 needs the pod's cgroup: this pod has none.
-    let no_pod = put_mps(
-        &api,
-        "nopod",
-        "u-nopod",
-        &[("gpu-1-mps", "s3", Some(("1Gi", "2")))],
-        Some(POD_B),
-    );
     let good = put_mps(
         &api,
         "good",
@@ -497,9 +533,7 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
         &[("gpu-1-mps", "s4", Some(("1Gi", "2")))],
         Some(POD_A),
     );
-    let out = driver
-        .prepare(vec![no_cap, beyond, no_share, no_pod, good])
-        .await;
+    let out = driver.prepare(vec![no_cap, beyond, no_share, good]).await;
     assert!(
         claim_error(&out, "u-nocap").contains("no consumedCapacity"),
         "{}",
@@ -508,8 +542,6 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
     let e = claim_error(&out, "u-beyond");
     assert!(e.contains("gpu-0-mps") && e.contains("memory"), "{e}");
     assert!(claim_error(&out, "u-noshare").contains("no shareID"));
-    let e = claim_error(&out, "u-nopod");
-    assert!(e.contains("no cgroup") && e.contains(POD_B), "{e}");
     ok(&out, "u-good");
     // No daemon on GPU 0 (every claim for it failed before starting one); GPU
     // 1's daemon serves only the good claim, and its compute mode was set only there.
@@ -520,8 +552,8 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
         ComputeMode::Default
     );
     let log = fake_log(&node, "gpu-1-mps");
-    assert!(!log.contains("u-nopod"), "{log}");
-    assert!(log.contains("u-good.s4"), "{log}");
+    assert!(log.contains(&ns("u-good", "s4")), "{log}");
+    assert!(!log.contains(&ns("u-beyond", "s2")), "{log}");
     let snap = driver.snapshot().await;
     assert_eq!(snap.claims.keys().collect::<Vec<_>>(), ["u-good"]);
 
@@ -587,7 +619,10 @@ async fn recovery_drops_a_share_whose_prepare_never_completed() {
     wait_gone(pid);
     let log = fake_log(&node, "gpu-0-mps");
     assert!(
-        log.contains("namespace delete --server=carve --name=u-a.s-a"),
+        log.contains(&format!(
+            "namespace delete {} --server=carve --force",
+            ns("u-a", "s-a")
+        )),
         "{log}"
     );
     assert_eq!(
@@ -618,13 +653,13 @@ async fn a_corrupt_checkpoint_is_rebuilt_with_the_daemons_shares() {
     assert_eq!(report.adopted, ["u-a"], "{report:?}");
     assert_eq!(report.mps_units[0].1, carve_mps::Ensure::Adopted);
     assert_eq!(daemon_pid(&node, "gpu-0-mps"), Some(pid));
-    // The share's cgroup and container edits come back from the daemon's state.
+    // The share's container edits (its namespace directory) come back from
+    // the daemon's state; no cgroup is bound (615 has no cgroup binding).
     let snap = driver.snapshot().await;
     let share = snap.claims["u-a"].devices[0].kind.mps().unwrap().clone();
-    assert_eq!(
-        share.cgroup,
-        Some(PathBuf::from(format!("kubepods/besteffort/pod{POD_A}")))
-    );
+    assert_eq!(share.cgroup, None);
+    let e = share.edits.unwrap();
+    assert!(e.mounts[0].host_path.ends_with(ns("u-a", "s-a")), "{e:?}");
     assert_eq!(CdiSpec::read(&cdi).unwrap(), spec_before);
     driver.unprepare_one("u-a").await.unwrap();
     wait_gone(pid);
@@ -632,10 +667,14 @@ async fn a_corrupt_checkpoint_is_rebuilt_with_the_daemons_shares() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist() {
-    let node = mps_node(
-        vec![GpuEntry::new("h100-80gb", 1, false)],
-        ProtocolChoice::V2,
-    );
+    // v2, and v3 too: no MPS device enforces memory hard today.
+    for protocol in [ProtocolChoice::V2, ProtocolChoice::V3] {
+        demand_hard(protocol).await;
+    }
+}
+
+async fn demand_hard(protocol: ProtocolChoice) {
+    let node = mps_node(vec![GpuEntry::new("h100-80gb", 1, false)], protocol);
     let api = api().await;
     let driver = start(&node, &api).await;
     let claim = |name: &str, uid: &str, need: &str| {
@@ -667,8 +706,11 @@ async fn a_share_demanding_hard_limits_is_refused_where_only_client_limits_exist
         e.contains("requires memoryLimit hard") && e.contains("enforces client"),
         "{e}"
     );
+    assert!(e.contains("gpu-0-mps"), "{e}");
     ok(&out, "u-client");
-    assert!(!fake_log(&node, "gpu-0-mps").contains("u-hard"));
+    let log = fake_log(&node, "gpu-0-mps");
+    assert!(!log.contains("u-hard"), "{log}");
+    assert!(!log.contains(&ns("u-hard", "s-u-hard")), "{log}");
     driver.unprepare_one("u-client").await.unwrap();
 }
 
@@ -683,7 +725,7 @@ async fn a_unit_that_cannot_be_restored_does_not_stop_the_plugin() {
     let script = node.dir.path().join("refusing-mps-control");
     std::fs::write(
         &script,
-        format!("#!/bin/sh\nexport FAKE_MPS_REJECT='--name=carve'\nexec '{FAKE}' \"$@\"\n"),
+        format!("#!/bin/sh\nexport FAKE_MPS_REJECT='--allowed-devices='\nexec '{FAKE}' \"$@\"\n"),
     )
     .unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -720,10 +762,10 @@ async fn a_unit_that_cannot_be_restored_does_not_stop_the_plugin() {
     assert!(alive(new_pid));
     let log = fake_log(&node, "gpu-0-mps");
     assert!(
-        log.rsplit("start pid=")
-            .next()
-            .unwrap()
-            .contains("--name=u-a.s-a"),
+        log.rsplit("start pid=").next().unwrap().contains(&format!(
+            "namespace set {} --server=carve",
+            ns("u-a", "s-a")
+        )),
         "the share's namespace is applied to the new daemon: {log}"
     );
     d.unprepare_one("u-a").await.unwrap();

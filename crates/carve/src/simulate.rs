@@ -124,9 +124,10 @@ pub struct SimulateArgs {
         default_values = ["mps", "timeslice"]
     )]
     pub sharing: Vec<SimSharing>,
-    /// MPS control protocol the plugin uses (its `--mps-protocol`): `v3` binds a
-    /// namespace per share to the pod's cgroup (hard limits); `v2` leaves the
-    /// per-share limits to client variables; `auto` takes the strongest.
+    /// MPS control protocol the plugin uses (its `--mps-protocol`): `v3` gives
+    /// each share a namespace with its limits, which the pod reaches through
+    /// the namespace's own pipe directory; `v2` leaves the per-share limits to
+    /// client variables; `auto` takes the strongest.
     #[arg(long, value_enum, default_value = "auto")]
     pub mps_protocol: MpsProtocol,
     /// Claims to apply instead of the built-in examples: a directory of claim YAML
@@ -189,7 +190,7 @@ pub enum MpsProtocol {
     Auto,
     /// Legacy: daemon-wide defaults and client variables.
     V2,
-    /// Namespaces bound to pod cgroups.
+    /// A namespace per share, reached through its own pipe directory.
     V3,
 }
 
@@ -1692,13 +1693,17 @@ impl MpsShare {
             .is_some_and(|d| d.protocol == carve_mps::Protocol::V3);
         let before = self.received.len();
         if v3 {
+            let ns = carve_mps::control::v3::namespace_name(claim_uid, share_id);
             self.received.extend(
                 lines
                     .iter()
                     .filter(|l| {
-                        l.starts_with("verb namespace create")
-                            && l.contains(claim_uid)
-                            && l.contains(share_id)
+                        [
+                            format!("verb namespace create {ns} "),
+                            format!("verb namespace set {ns} "),
+                        ]
+                        .iter()
+                        .any(|p| l.starts_with(p.as_str()))
                     })
                     .cloned(),
             );
@@ -1941,17 +1946,51 @@ fn mps_text(node: &Node, p: &Prepared, m: &MpsShare) -> String {
             p.pod.uid,
             st.cgroup.as_deref().unwrap_or("none")
         );
+        let v3 = m
+            .daemon
+            .as_ref()
+            .is_some_and(|d| d.protocol == carve_mps::Protocol::V3);
         let _ = write!(
             out,
-            "\n      enforcement: memory {}, compute {}",
+            "\n      enforcement: memory {} ({}), compute {} ({})",
             st.memory_limit.as_deref().unwrap_or("?"),
-            st.compute_limit.as_deref().unwrap_or("?")
+            memory_why(st.memory_limit.as_deref(), v3),
+            st.compute_limit.as_deref().unwrap_or("?"),
+            compute_why(st.compute_limit.as_deref()),
         );
     }
     for l in &m.received {
         let _ = write!(out, "\n      daemon got: {l}");
     }
     out
+}
+
+/// Why a share's memory enforcement level is what it is.
+fn memory_why(level: Option<&str>, v3: bool) -> &'static str {
+    match (level, v3) {
+        (Some("client"), true) => {
+            "the namespace's pinned limit, applied by the CUDA client; a tenant can escape it, and no memory partitioning is set up"
+        }
+        (Some("client"), false) => {
+            "the CUDA_MPS_PINNED_DEVICE_MEM_LIMIT variable, which the workload can change"
+        }
+        (Some("hard"), _) => "memory partitioning on the pod's cgroup",
+        _ => "unknown level",
+    }
+}
+
+/// Why a share's compute enforcement level is what it is.
+fn compute_why(level: Option<&str>) -> &'static str {
+    match level {
+        Some("percentage") => {
+            "the namespace's active-thread percentage, over the client's variable: a ceiling, not a reservation"
+        }
+        Some("client") => {
+            "the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE variable, which the workload can change"
+        }
+        Some("partition") => "static SM partitions",
+        _ => "unknown level",
+    }
 }
 
 /// One picture per GPU of who holds which memory slice.

@@ -135,18 +135,32 @@ fn check_mps_share(
         "{}",
         ctx()
     );
+    assert!(!pod_uid.is_empty(), "{}", ctx());
     if protocol == "v3" {
-        // The namespace is bound to the claim's pod cgroup, with the limits.
-        let ns = line("daemon got: verb namespace create");
+        // The share's namespace, created, then given both limits; the
+        // container gets only that namespace's pipe directory.
+        let create = line("daemon got: verb namespace create c_");
+        let ns = field(create, "create ").unwrap();
+        let set = line("daemon got: verb namespace set ");
         assert!(
-            ns.contains(&format!("kubepods/besteffort/pod{pod_uid}"))
-                && ns.contains(&format!("={mib}M"))
-                && ns.contains(&format!("--active-thread-percentage={pct}")),
+            set.contains(&format!(
+                "set {ns} --server=carve --pinned-memory-limit={mib}M --active-thread-percentage={pct}"
+            )),
+            "{}",
+            ctx()
+        );
+        assert!(limits.ends_with("cgroup none"), "{}", ctx());
+        let env = line("env ");
+        assert!(
+            env.contains("CUDA_MPS_PIPE_DIRECTORY=")
+                && env.contains(&format!("/pipe/carve/{ns}"))
+                && !env.contains("CUDA_MPS_PINNED"),
             "{}",
             ctx()
         );
         assert!(
-            limits.ends_with(&format!("cgroup kubepods/besteffort/pod{pod_uid}")),
+            b.iter()
+                .any(|l| l.contains("mount ") && l.contains(&format!("/pipe/carve/{ns} -> "))),
             "{}",
             ctx()
         );
@@ -159,23 +173,23 @@ fn check_mps_share(
             "client limits in the container environment: {}",
             ctx()
         );
+        // v2: the daemon's pipe directory.
+        let env = line("env ");
+        assert!(
+            env.contains("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
+            "{}",
+            ctx()
+        );
+        assert!(
+            b.iter()
+                .any(|l| l.contains("mount ") && l.contains("/pipe -> ")),
+            "{}",
+            ctx()
+        );
     }
-    // Every share's container reaches its daemon through the pipe directory.
-    let env = line("env ");
-    assert!(
-        env.contains("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
-        "{}",
-        ctx()
-    );
     assert!(
         b.iter()
             .any(|l| l.trim_start().starts_with("CDI k8s.gpu.carve.dev/claim=")),
-        "{}",
-        ctx()
-    );
-    assert!(
-        b.iter()
-            .any(|l| l.contains("mount ") && l.contains("/pipe -> ")),
         "{}",
         ctx()
     );
@@ -229,11 +243,16 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         whole.iter().any(|l| l.contains("whole GPU GPU-")),
         "whole-gpu: {whole:#?}\n{out}"
     );
-    // Both MPS shares on one GPU, served by one daemon with hard limits (the
-    // fake speaks v3 and the fake cgroup tree is v2). 33 SMs round up to 34.
-    let a = check_mps_share(&out, "mps-share", 10240, 34, "v3", "hard");
-    let b = check_mps_share(&out, "mps-hard-limit", 20480, 16, "v3", "hard");
-    assert_eq!(a, b, "one daemon for both shares:\n{out}");
+    // The MPS share on v3 (the fake speaks v3): memory `client`, since no
+    // device enforces memory hard today, so the example demanding `hard`
+    // finds no device. 33 SMs round up to 34.
+    let a = check_mps_share(&out, "mps-share", 10240, 34, "v3", "client");
+    let hard = block(&out, "mps-hard-limit");
+    assert!(
+        hard.first()
+            .is_some_and(|l| l.ends_with("does not fit on sim-node now:")),
+        "{hard:#?}\n{out}"
+    );
     let ts = block(&out, "timeslice");
     assert!(
         ts.iter().any(|l| l.contains("-ts: time-sliced GPU GPU-")
@@ -247,7 +266,7 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
     assert!(out.contains("memory slices used"), "{out}");
     assert!(out.contains(" = mig-same-parent 3g.40gb at slice"), "{out}");
     assert!(
-        out.contains("M = mps-share, mps-hard-limit (whole GPU shared through MPS)"),
+        out.contains("M = mps-share (whole GPU shared through MPS)"),
         "{out}"
     );
     assert!(
@@ -255,7 +274,7 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         "{out}"
     );
     assert!(
-        out.contains("released 8 claim(s): unprepared and deleted"),
+        out.contains("released 7 claim(s): unprepared and deleted"),
         "{out}"
     );
     assert!(
@@ -589,7 +608,8 @@ fn the_carve_binary_runs_the_fake_mps_control_under_that_name() {
     assert!(o.status.success(), "{:?}", text(&o));
     let log = std::fs::read_to_string(pipe.join("fake-mps-control.log")).unwrap();
     assert!(
-        log.starts_with(&format!("start pid={pid} protocol=3\n")) && log.ends_with("quit\n"),
+        log.starts_with(&format!("start pid={pid} protocol=3 multiuser=false "))
+            && log.ends_with("quit\n"),
         "{log}"
     );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -641,8 +661,9 @@ fn two_claims_share_one_mig_instance_through_one_daemon() {
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
-    let a = check_mps_share(&out, "migmps-a", 8192, 20, "v3", "hard");
-    let b = check_mps_share(&out, "migmps-b", 8192, 20, "v3", "hard");
+    // MIG-MPS is never hard: memory partitioning does not support MIG.
+    let a = check_mps_share(&out, "migmps-a", 8192, 20, "v3", "client");
+    let b = check_mps_share(&out, "migmps-b", 8192, 20, "v3", "client");
     assert_eq!(a, b, "one daemon for the instance:\n{out}");
     let device = |name: &str| {
         block(&out, name)
@@ -716,11 +737,21 @@ fn mps_shares_the_daemon_refuses_fail_their_claims_and_leave_no_daemon() {
 
 #[test]
 fn a_daemon_crash_fails_the_claim_that_hit_it_and_leaves_no_daemon() {
-    // The fake daemon dies on the second share's namespace (20480M): that claim
+    // The fake daemon dies on the second share's limits (20480M): that claim
     // fails with the client's error, the first share stays prepared and is
     // released, and no daemon process survives the run.
     let tmp = tempfile::tempdir().unwrap();
     let dir = mps_examples();
+    std::fs::remove_file(dir.path().join("mps-hard-limit.yaml")).unwrap();
+    let share = std::fs::read_to_string(dir.path().join("mps-share.yaml")).unwrap();
+    std::fs::write(
+        dir.path().join("mps-zbig.yaml"),
+        share
+            .replace("name: mps-share", "name: mps-zbig")
+            .replace("memory: 10Gi", "memory: 20Gi")
+            .replace("\"33\"", "\"16\""),
+    )
+    .unwrap();
     let o = carve_with_env(
         &[
             "simulate",
@@ -734,8 +765,8 @@ fn a_daemon_crash_fails_the_claim_that_hit_it_and_leaves_no_daemon() {
     );
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
-    let pid = check_mps_share(&out, "mps-share", 10240, 34, "v3", "hard");
-    let failed = block(&out, "mps-hard-limit");
+    let pid = check_mps_share(&out, "mps-share", 10240, 34, "v3", "client");
+    let failed = block(&out, "mps-zbig");
     assert!(
         failed
             .first()

@@ -370,10 +370,12 @@ pub fn to_svg(gpus: &[GpuPicture]) -> String {
             }
             let x = left + b.first as f64 * slice_w;
             let w = b.slices as f64 * slice_w;
+            // The whole label as a tooltip, since the drawn one may be cut.
             let _ = writeln!(
                 body,
-                "<rect x=\"{x:.1}\" y=\"{y:.1}\" width=\"{w:.1}\" height=\"{block_h}\" rx=\"4\" fill=\"{}\" stroke=\"#ffffff\" stroke-width=\"3\"/>",
-                b.kind.fill()
+                "<rect x=\"{x:.1}\" y=\"{y:.1}\" width=\"{w:.1}\" height=\"{block_h}\" rx=\"4\" fill=\"{}\" stroke=\"#ffffff\" stroke-width=\"3\"><title>{}</title></rect>",
+                b.kind.fill(),
+                esc(&b.lines.join(" "))
             );
             for (l, line) in b.lines.iter().enumerate() {
                 let _ = writeln!(

@@ -549,4 +549,17 @@ async fn ampere_in_mig_mode_publishes_no_whole_gpu() {
         !names.iter().any(|n| n.starts_with("gpu-1-mig-")),
         "{names:?}"
     );
+    // MIG off on Ampere is a configuration, reported at info, not error; the
+    // log (a file here, as under a container runtime) has no ANSI colour.
+    let log = rig.node.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("publishing only the whole GPU") && l.contains("gpu.index=1"))
+        .unwrap_or_else(|| panic!("no whole-GPU line for gpu 1 in:\n{log}"));
+    assert!(line.contains(" INFO "), "{line}");
+    assert!(!log.contains(" ERROR "), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "ANSI escape in a log that is not a terminal:\n{log}"
+    );
 }

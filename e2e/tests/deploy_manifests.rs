@@ -1,10 +1,8 @@
-//! Renders the Helm chart in `deploy/helm/carve` without a helm binary and
-//! checks every manifest against the Kubernetes OpenAPI types.
-//!
-//! The chart is rendered with `gtmpl` (Go text/template) plus the handful of
-//! Helm/Sprig functions the chart uses, implemented below with Helm's
-//! semantics. It is not a Helm replacement: only what the chart uses exists
-//! (no `tpl`, `lookup`, `.Capabilities`, `.Files`, subcharts or hooks).
+//! Renders and lints the Helm chart in `deploy/helm/carve` with Helm itself
+//! (Helm v4's Go SDK, from PyPI's `helm-python-sdk`, driven by
+//! `helm_chart.py`; no helm binary, no network) and checks every manifest
+//! against the Kubernetes OpenAPI types. Without that package the tests fail,
+//! naming it (`.ci/run` installs it).
 //!
 //! Each rendered document is deserialized into its k8s-openapi type and
 //! serialized back; the result must equal the rendered document, so unknown or
@@ -15,12 +13,10 @@
 //! the API server's (no type checking against the OpenAPI schema), so these
 //! tests show the expressions' logic, not their acceptance by a cluster.
 
-use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 
-use gtmpl::{Context, Func, FuncError, Template, Value};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
@@ -97,233 +93,101 @@ fn to_json(v: &serde_yaml::Value) -> Json {
     serde_json::to_value(v).expect("values convert to JSON")
 }
 
-// ---------------------------------------------------------------- gtmpl <-> YAML
+// ---------------------------------------------------------------- Helm
 
-fn yaml_to_gtmpl(v: &serde_yaml::Value) -> Value {
-    match v {
-        serde_yaml::Value::Null => Value::Nil,
-        serde_yaml::Value::Bool(b) => Value::from(*b),
-        serde_yaml::Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                Value::from(i)
-            } else if let Some(u) = n.as_u64() {
-                Value::from(u)
-            } else {
-                Value::from(n.as_f64().unwrap_or(f64::NAN))
+/// `python3` with `helm-python-sdk` (Helm's Go SDK, `.ci/run` installs it).
+fn helm(job: Json) -> Json {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/helm_chart.py");
+    let mut child = std::process::Command::new("python3")
+        .arg(&script)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running python3");
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), job.to_string().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named 'helm_python'"),
+        "python3 lacks Helm's SDK: pip install helm-python-sdk (.ci/run does)"
+    );
+    assert!(
+        out.status.success(),
+        "{} failed: {stderr}",
+        script.display()
+    );
+    serde_json::from_slice(&out.stdout).expect("helm_chart.py prints JSON")
+}
+
+/// Renders the chart with `values` (already merged over the defaults) by
+/// Helm itself, as `helm template carve -n carve-system` does: schema
+/// validation, then every template; parses the output into YAML documents.
+/// `Err` is Helm's refusal (a schema violation or a template `fail`).
+fn render_chart(values: &serde_yaml::Value) -> Result<Vec<Doc>, String> {
+    render_with(values, false)
+}
+
+/// As [`render_chart`]; `skip_schema` renders without `values.schema.json`
+/// (`helm template --skip-schema-validation`), to show the templates' checks.
+fn render_with(values: &serde_yaml::Value, skip_schema: bool) -> Result<Vec<Doc>, String> {
+    let out = helm(serde_json::json!({
+        "op": "render",
+        "chart": chart_dir(),
+        "values": to_json(values),
+        "release": RELEASE,
+        "namespace": NAMESPACE,
+        "skip_schema": skip_schema,
+    }));
+    if let Some(e) = out.get("error") {
+        return Err(e.as_str().unwrap_or_default().to_string());
+    }
+    let manifests: BTreeMap<String, String> =
+        serde_json::from_value(out["manifests"].clone()).expect("template path -> text");
+    let mut docs = Vec::new();
+    for (path, text) in manifests {
+        let name = path.rsplit('/').next().unwrap_or(&path).to_string();
+        for (i, text) in split_documents(&text).into_iter().enumerate() {
+            let value: Json = serde_yaml::from_str(&text)
+                .map_err(|e| format!("{name} document {i}: {e}\n{text}"))?;
+            if value.is_null() {
+                continue;
             }
-        }
-        serde_yaml::Value::String(s) => Value::from(s.as_str()),
-        serde_yaml::Value::Sequence(s) => Value::Array(s.iter().map(yaml_to_gtmpl).collect()),
-        serde_yaml::Value::Mapping(m) => Value::Map(
-            m.iter()
-                .map(|(k, v)| {
-                    let key = match k {
-                        serde_yaml::Value::String(s) => s.clone(),
-                        other => serde_yaml::to_string(other)
-                            .expect("scalar key")
-                            .trim()
-                            .to_string(),
-                    };
-                    (key, yaml_to_gtmpl(v))
-                })
-                .collect::<HashMap<_, _>>(),
-        ),
-        serde_yaml::Value::Tagged(t) => yaml_to_gtmpl(&t.value),
-    }
-}
-
-fn gtmpl_to_yaml(v: &Value) -> serde_yaml::Value {
-    match v {
-        Value::NoValue | Value::Nil | Value::Function(_) => serde_yaml::Value::Null,
-        Value::Bool(b) => serde_yaml::Value::Bool(*b),
-        Value::String(s) => serde_yaml::Value::String(s.clone()),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                serde_yaml::Value::from(i)
-            } else if let Some(u) = n.as_u64() {
-                serde_yaml::Value::from(u)
-            } else {
-                serde_yaml::Value::from(n.as_f64().unwrap_or(f64::NAN))
-            }
-        }
-        Value::Array(a) => serde_yaml::Value::Sequence(a.iter().map(gtmpl_to_yaml).collect()),
-        Value::Map(m) | Value::Object(m) => {
-            // Sorted, like Go's map iteration in toYaml.
-            let sorted: BTreeMap<&String, &Value> = m.iter().collect();
-            serde_yaml::Value::Mapping(
-                sorted
-                    .into_iter()
-                    .map(|(k, v)| (serde_yaml::Value::String(k.clone()), gtmpl_to_yaml(v)))
-                    .collect(),
-            )
+            docs.push(Doc {
+                template: name.clone(),
+                value,
+            });
         }
     }
+    Ok(docs)
 }
 
-/// Go's `%v`-ish string form used by Sprig's string functions.
-fn strval(v: &Value) -> String {
-    match v {
-        Value::NoValue | Value::Nil => String::new(),
-        other => other.to_string(),
-    }
-}
-
-/// Sprig's `empty`: nil, false, 0, "" and empty collections.
-fn is_empty(v: &Value) -> bool {
-    match v {
-        Value::NoValue | Value::Nil => true,
-        Value::Bool(b) => !b,
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
-        Value::Map(m) | Value::Object(m) => m.is_empty(),
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::Function(_) => false,
-    }
-}
-
-fn arg<'a>(args: &'a [Value], i: usize, name: &str, n: usize) -> Result<&'a Value, FuncError> {
-    if args.len() != n {
-        return Err(FuncError::ExactlyXArgs(name.to_string(), n));
-    }
-    Ok(&args[i])
-}
-
-fn int_arg(v: &Value, name: &str) -> Result<i64, FuncError> {
-    match v {
-        Value::Number(n) => n
-            .as_i64()
-            .ok_or_else(|| FuncError::Generic(format!("{name}: {v} is not an integer"))),
-        _ => Err(FuncError::Generic(format!("{name}: {v} is not an integer"))),
-    }
-}
-
-// ---------------------------------------------------------------- Helm functions
-
-fn f_default(args: &[Value]) -> Result<Value, FuncError> {
-    match args {
-        [d] => Ok(d.clone()),
-        [d, given] => Ok(if is_empty(given) {
-            d.clone()
-        } else {
-            given.clone()
-        }),
-        _ => Err(FuncError::AtLeastXArgs("default".into(), 1)),
-    }
-}
-
-fn f_quote(args: &[Value]) -> Result<Value, FuncError> {
-    let quoted: Vec<String> = args
+/// `helm lint --strict` with `values`: the messages at warning or above.
+fn lint(values: &serde_yaml::Value) -> Vec<String> {
+    let out = helm(serde_json::json!({
+        "op": "lint",
+        "chart": chart_dir(),
+        "values": to_json(values),
+        "namespace": NAMESPACE,
+        "kube_version": "v1.34.0",
+    }));
+    let report = &out["lint"];
+    assert_eq!(report["total_charts_linted"], 1, "{report}");
+    report["messages"]
+        .as_array()
+        .unwrap()
         .iter()
-        .filter(|a| !matches!(a, Value::NoValue | Value::Nil))
-        .map(|a| serde_json::to_string(&strval(a)).expect("string serializes"))
-        .collect();
-    Ok(Value::from(quoted.join(" ")))
+        .filter(|m| m["severity"].as_i64().unwrap_or(3) >= 2)
+        .map(|m| format!("{}: {}", m["path"], m["error"]))
+        .chain(
+            report["errors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e.to_string()),
+        )
+        .collect()
 }
-
-fn f_to_yaml(args: &[Value]) -> Result<Value, FuncError> {
-    let v = arg(args, 0, "toYaml", 1)?;
-    let text = serde_yaml::to_string(&gtmpl_to_yaml(v))
-        .map_err(|e| FuncError::Generic(format!("toYaml: {e}")))?;
-    Ok(Value::from(text.trim_end_matches('\n')))
-}
-
-fn f_to_json(args: &[Value]) -> Result<Value, FuncError> {
-    let v = arg(args, 0, "toJson", 1)?;
-    let text = serde_json::to_string(&gtmpl_to_yaml(v))
-        .map_err(|e| FuncError::Generic(format!("toJson: {e}")))?;
-    Ok(Value::from(text))
-}
-
-fn f_has_prefix(args: &[Value]) -> Result<Value, FuncError> {
-    let prefix = strval(arg(args, 0, "hasPrefix", 2)?);
-    Ok(Value::from(strval(&args[1]).starts_with(&prefix)))
-}
-
-fn f_list(args: &[Value]) -> Result<Value, FuncError> {
-    Ok(Value::Array(args.to_vec()))
-}
-
-fn indent_text(n: i64, text: &str) -> String {
-    let pad = " ".repeat(usize::try_from(n).unwrap_or(0));
-    format!("{pad}{}", text.replace('\n', &format!("\n{pad}")))
-}
-
-fn f_indent(args: &[Value]) -> Result<Value, FuncError> {
-    let n = int_arg(arg(args, 0, "indent", 2)?, "indent")?;
-    Ok(Value::from(indent_text(n, &strval(&args[1]))))
-}
-
-fn f_nindent(args: &[Value]) -> Result<Value, FuncError> {
-    let n = int_arg(arg(args, 0, "nindent", 2)?, "nindent")?;
-    Ok(Value::from(format!(
-        "\n{}",
-        indent_text(n, &strval(&args[1]))
-    )))
-}
-
-fn f_fail(args: &[Value]) -> Result<Value, FuncError> {
-    Err(FuncError::Generic(strval(arg(args, 0, "fail", 1)?)))
-}
-
-fn f_contains(args: &[Value]) -> Result<Value, FuncError> {
-    let needle = strval(arg(args, 0, "contains", 2)?);
-    Ok(Value::from(strval(&args[1]).contains(&needle)))
-}
-
-fn f_trunc(args: &[Value]) -> Result<Value, FuncError> {
-    let n = int_arg(arg(args, 0, "trunc", 2)?, "trunc")?;
-    let s = strval(&args[1]);
-    let n = usize::try_from(n).unwrap_or(usize::MAX);
-    Ok(Value::from(s.chars().take(n).collect::<String>()))
-}
-
-fn f_trim_suffix(args: &[Value]) -> Result<Value, FuncError> {
-    let suffix = strval(arg(args, 0, "trimSuffix", 2)?);
-    let s = strval(&args[1]);
-    Ok(Value::from(s.strip_suffix(&suffix).unwrap_or(&s)))
-}
-
-thread_local! {
-    /// The chart's `_*.tpl` helper text, for `include` (gtmpl functions are
-    /// plain `fn` pointers and cannot capture the template set).
-    static HELPERS: RefCell<String> = const { RefCell::new(String::new()) };
-}
-
-fn f_include(args: &[Value]) -> Result<Value, FuncError> {
-    let name = strval(arg(args, 0, "include", 2)?);
-    let helpers = HELPERS.with(|h| h.borrow().clone());
-    let mut t = Template::with_name("include");
-    t.add_funcs(HELM_FUNCS);
-    t.add_template("_helpers", helpers)
-        .map_err(|e| FuncError::Generic(format!("include {name:?}: {e}")))?;
-    t.parse(format!(
-        "{{{{ template {} . }}}}",
-        serde_json::to_string(&name).expect("name")
-    ))
-    .map_err(|e| FuncError::Generic(format!("include {name:?}: {e}")))?;
-    let out = t
-        .render(&Context::from(args[1].clone()))
-        .map_err(|e| FuncError::Generic(format!("include {name:?}: {e}")))?;
-    Ok(Value::from(out))
-}
-
-static HELM_FUNCS: &[(&str, Func)] = &[
-    ("default", f_default as Func),
-    ("quote", f_quote as Func),
-    ("toYaml", f_to_yaml as Func),
-    ("toJson", f_to_json as Func),
-    ("hasPrefix", f_has_prefix as Func),
-    ("list", f_list as Func),
-    ("indent", f_indent as Func),
-    ("nindent", f_nindent as Func),
-    ("fail", f_fail as Func),
-    ("contains", f_contains as Func),
-    ("trunc", f_trunc as Func),
-    ("trimSuffix", f_trim_suffix as Func),
-    ("include", f_include as Func),
-];
-
-// ---------------------------------------------------------------- renderer
 
 /// One rendered YAML document and the template file it came from.
 #[derive(Debug, Clone)]
@@ -339,86 +203,6 @@ impl Doc {
     fn name(&self) -> &str {
         self.value["metadata"]["name"].as_str().unwrap_or("")
     }
-}
-
-fn render_template(name: &str, text: &str, ctx: &Value) -> Result<String, String> {
-    let mut t = Template::with_name(name);
-    t.add_funcs(HELM_FUNCS);
-    let helpers = HELPERS.with(|h| h.borrow().clone());
-    t.add_template("_helpers", helpers)
-        .map_err(|e| format!("{name}: helpers: {e}"))?;
-    t.parse(text).map_err(|e| format!("{name}: parse: {e}"))?;
-    let out = t
-        .render(&Context::from(ctx.clone()))
-        .map_err(|e| format!("{name}: {e}"))?;
-    // Helm replaces Go's rendering of missing map keys with nothing.
-    Ok(out.replace("<no value>", ""))
-}
-
-/// Renders every template of the chart with `values` (already merged over the
-/// defaults) and parses the output into YAML documents.
-fn render_chart(values: &serde_yaml::Value) -> Result<Vec<Doc>, String> {
-    let dir = chart_dir();
-    let chart = yaml_file(&dir.join("Chart.yaml"));
-    let chart_ctx: HashMap<String, Value> = [
-        ("Name", "name"),
-        ("Version", "version"),
-        ("AppVersion", "appVersion"),
-    ]
-    .into_iter()
-    .map(|(k, field)| (k.to_string(), yaml_to_gtmpl(&chart[field])))
-    .collect();
-    let release: HashMap<String, Value> = [
-        ("Name".to_string(), Value::from(RELEASE)),
-        ("Namespace".to_string(), Value::from(NAMESPACE)),
-        ("Service".to_string(), Value::from("Helm")),
-    ]
-    .into_iter()
-    .collect();
-    let ctx = Value::Map(
-        [
-            ("Values".to_string(), yaml_to_gtmpl(values)),
-            ("Release".to_string(), Value::Map(release)),
-            ("Chart".to_string(), Value::Map(chart_ctx)),
-        ]
-        .into_iter()
-        .collect(),
-    );
-
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir.join("templates"))
-        .map_err(|e| format!("listing templates: {e}"))?
-        .map(|e| e.map(|e| e.path()).map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
-    entries.sort();
-    let file_name = |p: &PathBuf| p.file_name().unwrap().to_string_lossy().into_owned();
-    let helpers: String = entries
-        .iter()
-        .filter(|p| file_name(p).starts_with('_'))
-        .map(|p| read(p))
-        .collect::<Vec<_>>()
-        .join("\n");
-    HELPERS.with(|h| *h.borrow_mut() = helpers);
-
-    let mut docs = Vec::new();
-    for path in &entries {
-        let name = file_name(path);
-        if name.starts_with('_') || !(name.ends_with(".yaml") || name.ends_with(".yml")) {
-            continue;
-        }
-        let out = render_template(&name, &read(path), &ctx)?;
-        for (i, text) in split_documents(&out).into_iter().enumerate() {
-            let value: Json = serde_yaml::from_str(&text)
-                .map_err(|e| format!("{name} document {i}: {e}\n{text}"))?;
-            if value.is_null() {
-                continue;
-            }
-            docs.push(Doc {
-                template: name.clone(),
-                value,
-            });
-        }
-    }
-    Ok(docs)
 }
 
 /// Splits a multi-document YAML stream on `---` lines.
@@ -664,7 +448,53 @@ fn check_common(m: &Manifests) {
             mount.name
         );
     }
+    // The kubelet's directories are mounted at their host paths and passed
+    // as such: the DRA socket the plugin registers (under --plugins-dir) is
+    // the path the kubelet dials on the host.
     let hp = host_paths(ds);
+    for (volume, flag) in [
+        ("plugins", "--plugins-dir="),
+        ("plugins-registry", "--registry-dir="),
+    ] {
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == volume)
+            .unwrap_or_else(|| panic!("no mount of {volume}"));
+        assert_eq!(
+            mount.mount_path, hp[volume],
+            "{volume} mounted at its host path"
+        );
+        assert!(
+            a.contains(&format!("{flag}{}", hp[volume])),
+            "{flag} is not {} in {a:?}",
+            hp[volume]
+        );
+    }
+    // The driver root, read-only at /driver-root, named by both flags.
+    let driver = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "driver-root")
+        .expect("driver root mounted");
+    assert_eq!(driver.mount_path, "/driver-root");
+    assert_eq!(driver.read_only, Some(true));
+    assert!(
+        a.contains(&"--container-driver-root=/driver-root".to_string()),
+        "{a:?}"
+    );
+    assert!(
+        a.contains(&format!("--host-driver-root={}", hp["driver-root"])),
+        "{a:?}"
+    );
+    assert!(a.iter().any(|x| x.starts_with("--proc-devices=/")), "{a:?}");
+    assert!(
+        a.iter()
+            .any(|x| x == "--log-format=text" || x == "--log-format=json"),
+        "{a:?}"
+    );
     assert_eq!(hp["plugins"], "/var/lib/kubelet/plugins");
     assert_eq!(hp["plugins-registry"], "/var/lib/kubelet/plugins_registry");
     assert_eq!(hp["cdi"], "/var/run/cdi");
@@ -995,8 +825,9 @@ fn values_files_match_schema() {
     }
 }
 
-/// Asserts that the schema rejects `overlay` and that rendering fails with a
-/// message containing `message`.
+/// Asserts that the schema rejects `overlay` (both the `jsonschema` crate and
+/// Helm's render, naming the value), and that the templates, rendered by Helm
+/// without the schema, fail with a message containing `message`.
 fn assert_rejected(overlay: &str, schema_path: &str, message: &str) {
     let values = values_with(overlay);
     let schema: Json =
@@ -1012,7 +843,14 @@ fn assert_rejected(overlay: &str, schema_path: &str, message: &str) {
         "schema did not reject {overlay:?} at {schema_path}: {errors:?}"
     );
     match render_chart(&values) {
-        Ok(_) => panic!("render of {overlay:?} succeeded"),
+        Ok(_) => panic!("Helm rendered {overlay:?}"),
+        Err(e) => assert!(
+            e.contains("HelmValuesError") && e.contains(schema_path),
+            "Helm's error {e:?} does not name {schema_path}"
+        ),
+    }
+    match render_with(&values, true) {
+        Ok(_) => panic!("render of {overlay:?} without the schema succeeded"),
         Err(e) => assert!(e.contains(message), "render error {e:?} lacks {message:?}"),
     }
 }
@@ -1107,6 +945,10 @@ fn schema_rejects_unknown_keys_and_bad_policies() {
         "mps: {protocol: v4}",
         "mps: {migInstances: yes-please}",
         "timeslice: {enabled: true, slices: 4}",
+        "logFormat: xml",
+        "driverRoot: run/nvidia/driver",
+        "nvidiaCdiHook: nvidia-cdi-hook",
+        "kubeletPlugin: {procDevices: devices}",
         "typo: 1",
     ] {
         let instance = to_json(&values_with(overlay));
@@ -1153,6 +995,100 @@ fn mps_and_per_gpu_policy_render_flags() {
         mount.mount_path, "/run/carve/mps",
         "mounted at the host's path"
     );
+}
+
+/// Helm's own linter, strict (warnings are errors), finds nothing.
+#[test]
+fn helm_lints_the_chart_clean() {
+    for (what, values) in [("values.yaml", default_values()), ("kind", kind_values())] {
+        let problems = lint(&values);
+        assert!(
+            problems.is_empty(),
+            "helm lint --strict ({what}): {problems:#?}"
+        );
+    }
+}
+
+/// A kubelet root other than /var/lib/kubelet (k0s, some distributions):
+/// the plugin sees and registers the host's paths.
+#[test]
+fn a_non_default_kubelet_root_is_mounted_and_registered_at_its_host_path() {
+    let m = render_valid(&values_with(
+        "kubeletPlugin: {kubeletRootDir: /var/lib/k0s/kubelet/}",
+    ));
+    let ds = one(&m.daemonsets, "DaemonSet");
+    let c = plugin_container(ds);
+    let a = args(c);
+    let hp = host_paths(ds);
+    assert_eq!(hp["plugins"], "/var/lib/k0s/kubelet/plugins");
+    assert_eq!(
+        hp["plugins-registry"],
+        "/var/lib/k0s/kubelet/plugins_registry"
+    );
+    assert!(
+        a.contains(&"--plugins-dir=/var/lib/k0s/kubelet/plugins".to_string()),
+        "{a:?}"
+    );
+    assert!(
+        a.contains(&"--registry-dir=/var/lib/k0s/kubelet/plugins_registry".to_string()),
+        "{a:?}"
+    );
+    let mounts: BTreeMap<&str, &str> = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| (m.name.as_str(), m.mount_path.as_str()))
+        .collect();
+    assert_eq!(mounts["plugins"], "/var/lib/k0s/kubelet/plugins");
+    assert_eq!(
+        mounts["plugins-registry"],
+        "/var/lib/k0s/kubelet/plugins_registry"
+    );
+    assert!(
+        !a.iter()
+            .chain(
+                mounts
+                    .values()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>()
+                    .iter()
+            )
+            .any(|x| x.contains("/var/lib/kubelet")),
+        "a path of the default kubelet root is left: {a:?} {mounts:?}"
+    );
+}
+
+#[test]
+fn driver_root_hook_and_log_format_render_their_flags() {
+    let m = render_valid(&values_with(
+        "{driverRoot: /run/nvidia/driver, nvidiaCdiHook: /usr/bin/nvidia-cdi-hook, logFormat: json, kubeletPlugin: {procDevices: /host-proc/devices}}",
+    ));
+    let ds = one(&m.daemonsets, "DaemonSet");
+    let a = args(plugin_container(ds));
+    for want in [
+        "--host-driver-root=/run/nvidia/driver",
+        "--container-driver-root=/driver-root",
+        "--nvidia-cdi-hook=/usr/bin/nvidia-cdi-hook",
+        "--log-format=json",
+        "--proc-devices=/host-proc/devices",
+    ] {
+        assert!(a.contains(&want.to_string()), "missing {want} in {a:?}");
+    }
+    assert_eq!(host_paths(ds)["driver-root"], "/run/nvidia/driver");
+    let d = render_valid(&default_values());
+    let ds = one(&d.daemonsets, "DaemonSet");
+    let a = args(plugin_container(ds));
+    assert!(a.contains(&"--host-driver-root=/".to_string()), "{a:?}");
+    assert!(a.contains(&"--log-format=text".to_string()), "{a:?}");
+    assert!(
+        a.contains(&"--proc-devices=/proc/devices".to_string()),
+        "{a:?}"
+    );
+    assert!(
+        !a.iter().any(|x| x.starts_with("--nvidia-cdi-hook")),
+        "{a:?}"
+    );
+    assert_eq!(host_paths(ds)["driver-root"], "/");
 }
 
 #[test]
@@ -1280,71 +1216,7 @@ fn device_class_selectors_match_examples() {
     assert_eq!(selectors(&chart.device_classes), selectors(&examples));
 }
 
-// ---------------------------------------------------------------- renderer self-tests
-
-fn render_str(text: &str, values: &str) -> Result<String, String> {
-    let v: serde_yaml::Value = serde_yaml::from_str(values).unwrap();
-    HELPERS.with(|h| {
-        *h.borrow_mut() = r#"{{- define "t.hello" -}}hello {{ .name }}{{- end -}}"#.to_string()
-    });
-    render_template("t", text, &yaml_to_gtmpl(&v))
-}
-
-#[test]
-fn renderer_functions_follow_helm() {
-    assert_eq!(render_str(r#"{{ default "d" .x }}"#, "x: ''").unwrap(), "d");
-    assert_eq!(
-        render_str(r#"{{ .x | default "d" }}"#, "x: v").unwrap(),
-        "v"
-    );
-    assert_eq!(
-        render_str(r#"{{ default "d" .missing }}"#, "x: 1").unwrap(),
-        "d"
-    );
-    assert_eq!(
-        render_str(r#"{{ .x | quote }}"#, "x: 'a\"b'").unwrap(),
-        r#""a\"b""#
-    );
-    assert_eq!(
-        render_str("k:{{ toYaml .m | nindent 2 }}", "m: {b: 1, a: [x]}").unwrap(),
-        "k:\n  a:\n  - x\n  b: 1"
-    );
-    assert_eq!(
-        render_str("{{ .s | indent 2 }}", "s: \"a\\nb\"").unwrap(),
-        "  a\n  b"
-    );
-    assert_eq!(
-        render_str(r#"{{ include "t.hello" . | nindent 1 }}"#, "name: w").unwrap(),
-        "\n hello w"
-    );
-    assert_eq!(
-        render_str(r#"{{ contains "ar" .s }}"#, "s: carve").unwrap(),
-        "true"
-    );
-    assert_eq!(
-        render_str(r#"{{ .s | trunc 3 | trimSuffix "-" }}"#, "s: ab-cd").unwrap(),
-        "ab"
-    );
-    assert_eq!(render_str("[{{ .missing }}]", "x: 1").unwrap(), "[]");
-    let err = render_str(r#"{{ if .x }}{{ fail "x is bad" }}{{ end }}"#, "x: true").unwrap_err();
-    assert!(err.contains("x is bad"), "{err}");
-    assert_eq!(
-        render_str(r#"{{ printf ",%v=%s" .n .s }}"#, "{n: 2, s: off}").unwrap(),
-        ",2=off"
-    );
-    assert_eq!(
-        render_str("{{ toJson .m }}", "m: {b: [1, x], a: true}").unwrap(),
-        r#"{"a":true,"b":[1,"x"]}"#
-    );
-    assert_eq!(
-        render_str(r#"{{ hasPrefix "/a/" .s }}"#, "s: /a/b").unwrap(),
-        "true"
-    );
-    assert_eq!(
-        render_str(r#"{{ range list "x" "y" }}{{ . }}{{ end }}"#, "{}").unwrap(),
-        "xy"
-    );
-}
+// ---------------------------------------------------------------- values
 
 #[test]
 fn values_merge_like_helm() {

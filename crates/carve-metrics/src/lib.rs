@@ -15,4 +15,4 @@ mod trace;
 pub use error::MetricsError;
 pub use metrics::{ApiVerb, DeviceType, FailureReason, Metrics, OPENMETRICS_CONTENT_TYPE, Outcome};
 pub use server::{MetricsServer, ReadyCheck, bind, serve};
-pub use trace::{CARVE_LOG_ENV, DEFAULT_FILTER, env_filter, init_tracing};
+pub use trace::{CARVE_LOG_ENV, DEFAULT_FILTER, ansi_colours, env_filter, init_tracing};

@@ -46,8 +46,16 @@ pub fn env_filter(
     })
 }
 
+/// Whether log lines carry ANSI colour: only when stderr is a terminal (a
+/// container runtime's log file, a pipe or `kubectl logs` get plain text).
+#[must_use]
+pub fn ansi_colours() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr())
+}
+
 /// Installs the global subscriber: to stderr, JSON lines when `json`, else
-/// human-readable text; level filter from `CARVE_LOG` or `RUST_LOG`.
+/// human-readable text (coloured only on a terminal: [`ansi_colours`]); level
+/// filter from `CARVE_LOG` or `RUST_LOG`.
 ///
 /// # Errors
 /// An unparsable filter, or a subscriber already installed.
@@ -57,6 +65,7 @@ pub fn init_tracing(json: bool) -> Result<(), MetricsError> {
     let filter = env_filter(carve.as_deref(), rust.as_deref())?;
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi_colours())
         .with_writer(std::io::stderr);
     let r = if json {
         b.json().flatten_event(true).try_init()

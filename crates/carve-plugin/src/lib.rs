@@ -17,6 +17,7 @@
 //! under the driver's default time-slicing scheduler: NVML offers no
 //! bare-metal time-slice policy carve could set.
 
+mod authority;
 mod cdi;
 mod checkpoint;
 mod claim;

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
+use crate::authority::ServerConn;
 use crate::claim::ClaimRef;
 use crate::config::PluginConfig;
 use crate::driver::Driver;
@@ -389,6 +390,16 @@ fn bind(path: &Path) -> Result<UnixListener, PluginError> {
     Ok(l)
 }
 
+/// The connections of a socket, each through [`ServerConn`] so that h2
+/// accepts any `:authority` (the kubelet sends the registration socket's path,
+/// which h2 alone rejects: see `authority.rs`).
+fn incoming(
+    l: UnixListener,
+) -> impl futures::Stream<Item = std::io::Result<ServerConn<tokio::net::UnixStream>>> {
+    use futures::TryStreamExt;
+    UnixListenerStream::new(l).map_ok(ServerConn::new)
+}
+
 /// A running plugin server.
 #[derive(Debug)]
 pub struct Serving {
@@ -490,18 +501,12 @@ pub async fn serve_with(
         .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(svc.clone()))
         .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(svc))
         .add_optional_service(health)
-        .serve_with_incoming_shutdown(
-            UnixListenerStream::new(dra_listener),
-            stopped(stop_rx.clone()),
-        );
+        .serve_with_incoming_shutdown(incoming(dra_listener), stopped(stop_rx.clone()));
     let regs = tonic::transport::Server::builder()
         .add_service(reg::registration_server::RegistrationServer::new(
             reg_service,
         ))
-        .serve_with_incoming_shutdown(
-            UnixListenerStream::new(reg_listener),
-            stopped(stop_rx.clone()),
-        );
+        .serve_with_incoming_shutdown(incoming(reg_listener), stopped(stop_rx.clone()));
     let gc = {
         let driver = driver.clone();
         let stop = stopped(stop_rx.clone());

@@ -7,6 +7,7 @@ use carve_proto::{dra_v1, dra_v1beta1, registration as reg};
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+use crate::authority::ClientConn;
 use crate::claim::ClaimRef;
 
 /// A fake-kubelet failure.
@@ -34,21 +35,49 @@ pub enum FakeKubeletError {
     Rejected(String),
 }
 
-/// Connect a tonic channel to a Unix socket.
-///
-/// # Errors
-/// The socket does not accept connections.
-pub async fn uds_channel(path: &Path) -> Result<Channel, FakeKubeletError> {
+/// The `:authority` grpc-go sends for a target that is a bare socket path, as
+/// the kubelet's plugin watcher dials `<name>-reg.sock`: the path
+/// percent-encoded by grpc-go's `encodeAuthority` (`clientconn.go`: RFC 3986
+/// §3.2 unreserved characters, sub-delims and `:[]@` kept, every other byte
+/// `%XX`), e.g. `%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2Fgpu.carve.dev-reg.sock`.
+/// See `../shared/reference/node-contracts.md` §1.
+#[must_use]
+pub fn grpc_go_authority(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    path.as_os_str()
+        .as_bytes()
+        .iter()
+        .map(|&b| {
+            if b.is_ascii_alphanumeric() || b"-_.~!$&'()*+,;=:[]@".contains(&b) {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}
+
+async fn connect(path: &Path, authority: Option<String>) -> Result<Channel, FakeKubeletError> {
     let p = path.to_path_buf();
-    Endpoint::try_from("http://[::1]:50051")
+    // grpc-go's `unix:` targets send `localhost`; tonic sends the origin's.
+    Endpoint::try_from("http://localhost")
         .map_err(|source| FakeKubeletError::Connect {
             path: p.clone(),
             source,
         })?
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let p = p.clone();
+            let authority = authority.clone();
             async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                let s = tokio::net::UnixStream::connect(p).await?;
+                let io: Box<dyn Io> = match authority {
+                    Some(a) => Box::new(ClientConn::new(s, &a)),
+                    None => Box::new(s),
+                };
+                Ok::<_, std::io::Error>(TokioIo::new(io))
             }
         }))
         .await
@@ -56,6 +85,27 @@ pub async fn uds_channel(path: &Path) -> Result<Channel, FakeKubeletError> {
             path: path.to_path_buf(),
             source,
         })
+}
+
+/// Connect a tonic channel to a Unix socket as the kubelet dials `dra.sock`
+/// (`unix:<path>`, so `:authority` is `localhost`).
+///
+/// # Errors
+/// The socket does not accept connections.
+pub async fn uds_channel(path: &Path) -> Result<Channel, FakeKubeletError> {
+    connect(path, None).await
+}
+
+/// Connect a tonic channel to a registration socket as the kubelet's plugin
+/// watcher dials it: every request carries [`grpc_go_authority`] of the path
+/// as `:authority` (written into the HTTP/2 HEADERS by [`ClientConn`], since
+/// tonic only sends authorities that `http::Uri` parses). A server that h2
+/// alone serves rejects these requests, as it rejects the kubelet's.
+///
+/// # Errors
+/// The socket does not accept connections.
+pub async fn registration_channel(path: &Path) -> Result<Channel, FakeKubeletError> {
+    connect(path, Some(grpc_go_authority(path))).await
 }
 
 /// A kubelet stand-in holding clients for both DRA versions.
@@ -76,15 +126,17 @@ fn wire(c: &ClaimRef) -> dra_v1::Claim {
 }
 
 impl FakeKubelet {
-    /// Register like kubelet: `GetInfo` on the registration socket, check the
+    /// Register like kubelet: `GetInfo` on the registration socket (dialed as
+    /// the kubelet dials it: [`registration_channel`]), check the
     /// type, name and versions, connect to the endpoint, then
     /// `NotifyRegistrationStatus(registered)`.
     ///
     /// # Errors
     /// Connection or call failures, or an unacceptable `PluginInfo`.
     pub async fn register(reg_socket: &Path, driver: &str) -> Result<Self, FakeKubeletError> {
-        let mut r =
-            reg::registration_client::RegistrationClient::new(uds_channel(reg_socket).await?);
+        let mut r = reg::registration_client::RegistrationClient::new(
+            registration_channel(reg_socket).await?,
+        );
         let info = r
             .get_info(reg::InfoRequest {})
             .await

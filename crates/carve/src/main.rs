@@ -200,6 +200,7 @@ fn init_tracing(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(carve_metrics::ansi_colours())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => b.init(),

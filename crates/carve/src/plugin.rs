@@ -265,9 +265,8 @@ pub(crate) fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow:
                     SlicePolicy::Static { instances }
                 }
                 GpuPolicy::Dynamic if !mig_on && info.architecture.mig_mode_needs_reset() => {
-                    whole_only(
-                        "MIG mode is off and enabling it needs a GPU reset on this architecture",
-                    );
+                    // A configuration, not a fault: info, not error.
+                    tracing::info!(gpu.index = info.index, gpu.uuid = %info.uuid, reason = "MIG mode is off and enabling it needs a GPU reset on this architecture", "publishing only the whole GPU");
                     SlicePolicy::Static {
                         instances: Vec::new(),
                     }

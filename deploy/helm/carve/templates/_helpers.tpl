@@ -1,8 +1,6 @@
 {{/*
-Helpers shared by the templates. The chart keeps to a small subset of Helm's
-template functions (include, default, quote, toYaml, toJson, nindent, indent,
-fail, printf, contains, hasPrefix, list, trunc, trimSuffix) so that e2e/tests/deploy_manifests.rs can
-render it without a helm binary.
+Helpers shared by the templates. e2e/tests/deploy_manifests.rs renders and
+lints the chart with Helm's own SDK (PyPI helm-python-sdk).
 */}}
 
 {{- define "carve.name" -}}
@@ -38,6 +36,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The kubelet's root directory without a trailing slash. */}}
+{{- define "carve.kubeletRootDir" -}}
+{{- .Values.kubeletPlugin.kubeletRootDir | trimSuffix "/" -}}
 {{- end -}}
 
 {{- define "carve.image" -}}

@@ -10,6 +10,7 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod desired;
 pub mod dropped;
 pub mod error;
 pub mod layout_watch;

@@ -20,6 +20,7 @@ use crate::resource::{API_VERSION, GROUP, Resource, VERSION};
 use crate::selector::{FieldSelector, LabelSelector, Selectors};
 use crate::server::{FaultAction, ServerState};
 use crate::store::{ApiError, Event, EventKind, Part, Preconditions, Store};
+use crate::strategy::{Gates, prepare};
 use crate::{KubeVersion, RequestRecord};
 
 pub(crate) type RespBody = BoxBody<Bytes, Infallible>;
@@ -379,9 +380,14 @@ async fn dispatch(
                 };
                 let dry = query.dry_run()?;
                 let mut obj = read_json(parts, body).await?;
-                if res == Resource::ResourceSlices && !state.partitionable_devices() {
-                    drop_partitionable_fields(&mut obj);
-                }
+                prepare(
+                    res,
+                    Part::Main,
+                    &mut obj,
+                    None,
+                    state.version(),
+                    state.gates(),
+                )?;
                 let created = store.create(res, &ns, obj, dry)?;
                 Ok(json_response(201, &created))
             }
@@ -408,21 +414,23 @@ async fn dispatch(
                 Method::PUT => {
                     let dry = query.dry_run()?;
                     let mut obj = read_json(parts, body).await?;
-                    if res == Resource::ResourceSlices
-                        && part == Part::Main
-                        && !state.partitionable_devices()
-                        && !store
-                            .get(res, Some(&ns), &name)
-                            .is_some_and(|o| uses_partitionable_fields(&o))
-                    {
-                        drop_partitionable_fields(&mut obj);
-                    }
+                    let old = store.get(res, Some(&ns), &name);
+                    prepare(
+                        res,
+                        part,
+                        &mut obj,
+                        old.as_ref(),
+                        state.version(),
+                        state.gates(),
+                    )?;
                     let updated = store.update(res, &ns, &name, obj, part, dry)?;
                     Ok(json_response(200, &updated))
                 }
                 Method::PATCH => {
                     let dry = query.dry_run()?;
-                    let patched = patch(store, res, &ns, &name, part, dry, parts, body).await?;
+                    let rules = (state.version(), state.gates());
+                    let patched =
+                        patch(store, res, &ns, &name, part, dry, rules, parts, body).await?;
                     Ok(json_response(200, &patched))
                 }
                 Method::DELETE => {
@@ -456,29 +464,6 @@ async fn read_bytes(body: Incoming) -> Result<Bytes, ApiError> {
         .await
         .map(|c| c.to_bytes())
         .map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))
-}
-
-/// Whether a ResourceSlice uses the fields of DRAPartitionableDevices.
-fn uses_partitionable_fields(obj: &Value) -> bool {
-    obj.pointer("/spec/sharedCounters").is_some()
-        || obj
-            .pointer("/spec/devices")
-            .and_then(Value::as_array)
-            .is_some_and(|d| d.iter().any(|d| d.get("consumesCounters").is_some()))
-}
-
-/// What an API server with DRAPartitionableDevices off does to a new slice.
-fn drop_partitionable_fields(obj: &mut Value) {
-    if let Some(spec) = obj.get_mut("spec").and_then(Value::as_object_mut) {
-        spec.remove("sharedCounters");
-        if let Some(devs) = spec.get_mut("devices").and_then(Value::as_array_mut) {
-            for d in devs {
-                if let Some(d) = d.as_object_mut() {
-                    d.remove("consumesCounters");
-                }
-            }
-        }
-    }
 }
 
 async fn read_json(parts: &Parts, body: Incoming) -> Result<Value, ApiError> {
@@ -528,6 +513,7 @@ async fn patch(
     name: &str,
     part: Part,
     dry: bool,
+    (version, gates): (KubeVersion, Gates),
     parts: &Parts,
     body: Incoming,
 ) -> Result<Value, ApiError> {
@@ -554,7 +540,10 @@ async fn patch(
         .map_err(|e| ApiError::bad_request(format!("couldn't decode the patch as JSON: {e}")))?;
     match mt.as_str() {
         "application/json-patch+json" => store.patch(res, ns, name, part, dry, |cur| {
-            json_patch(cur, &doc).map_err(|e| ApiError::invalid(res, name, &e.to_string()))
+            let mut v =
+                json_patch(cur, &doc).map_err(|e| ApiError::invalid(res, name, &e.to_string()))?;
+            prepare(res, part, &mut v, Some(cur), version, gates)?;
+            Ok(v)
         }),
         strategic_or_merge => {
             if strategic_or_merge == "application/strategic-merge-patch+json"
@@ -567,6 +556,7 @@ async fn patch(
             store.patch(res, ns, name, part, dry, |cur| {
                 let mut v = cur.clone();
                 merge_patch(&mut v, &doc);
+                prepare(res, part, &mut v, Some(cur), version, gates)?;
                 Ok(v)
             })
         }

@@ -7,7 +7,10 @@
 //!
 //! It is not a Kubernetes API server: no authentication or authorization, no
 //! admission, no schema validation of `spec` (only kind, apiVersion, name and
-//! namespace are checked), no server-side apply, no protobuf, no
+//! namespace are checked, plus the ResourceSlice rules that change with the
+//! Kubernetes version it reports and the fields dropped while a feature gate
+//! is off: [`ApiServer::set_version`], [`ApiServer::set_feature_gate`]; the
+//! `strategy` module lists them with their upstream sources), no server-side apply, no protobuf, no
 //! pagination (`limit`/`continue` return everything in one page), and
 //! strategic merge patch is applied as a JSON merge patch (lists are replaced,
 //! `$` directives are rejected). State lives in memory only.
@@ -28,6 +31,7 @@ mod resource;
 mod selector;
 mod server;
 mod store;
+mod strategy;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -39,6 +43,7 @@ pub use resource::{API_VERSION, GROUP, Resource, UnknownResource, VERSION};
 pub use selector::{FieldSelector, LabelSelector, SelectorError, Selectors};
 pub use server::ApiServer;
 pub use store::Store;
+pub use strategy::FeatureGate;
 
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::store::Store;
+use crate::strategy::{FeatureGate, Gates};
 use crate::{Error, Fault, KubeVersion, Options, RequestRecord, Stats};
 
 /// A pending `FailNext` or `DelayNext` fault.
@@ -44,9 +45,9 @@ pub(crate) struct ServerState {
     down: AtomicBool,
     /// Connections accepted since start.
     connections: AtomicU64,
-    /// The DRAPartitionableDevices feature gate: off, ResourceSlice writes
-    /// lose `sharedCounters` and `consumesCounters` (unless already in use).
-    partitionable_devices: AtomicBool,
+    /// The feature gates whose fields writes lose while they are off
+    /// (see [`crate::strategy`]).
+    gates: Mutex<Gates>,
     /// Bumped when the server goes down or stops: open watches end.
     pub epoch: watch::Sender<u64>,
     /// Bumped by [`ApiServer::send_bookmarks`].
@@ -67,7 +68,7 @@ impl ServerState {
             faults: Mutex::new(Vec::new()),
             down: AtomicBool::new(false),
             connections: AtomicU64::new(0),
-            partitionable_devices: AtomicBool::new(true),
+            gates: Mutex::new(Gates::default()),
             epoch: watch::Sender::new(0),
             bookmarks: watch::Sender::new(0),
         }
@@ -77,8 +78,8 @@ impl ServerState {
         *lock(&self.version)
     }
 
-    pub fn partitionable_devices(&self) -> bool {
-        self.partitionable_devices.load(Ordering::SeqCst)
+    pub fn gates(&self) -> Gates {
+        *lock(&self.gates)
     }
 
     pub fn is_down(&self) -> bool {
@@ -256,11 +257,29 @@ impl ApiServer {
     }
 
     /// Turns the DRAPartitionableDevices feature gate on (the default here) or
-    /// off. Off, the server drops `spec.sharedCounters` and every device's
-    /// `consumesCounters` from ResourceSlices it creates, and from updates of
+    /// off. Off, the server drops `spec.sharedCounters`,
+    /// `perDeviceNodeSelection` and every device's `consumesCounters` and
+    /// node selection from ResourceSlices it creates, and from updates of
     /// slices that do not use them yet, as the real API server does.
     pub fn set_partitionable_devices(&self, on: bool) {
-        self.state.partitionable_devices.store(on, Ordering::SeqCst);
+        self.set_feature_gate(FeatureGate::PartitionableDevices, on);
+    }
+
+    /// Turns a feature gate on (every gate's default here, unlike the real
+    /// 1.34 and 1.35 defaults, where all three are off) or off. Off, the
+    /// server drops that gate's fields from writes as the real API server
+    /// does (see the crate's `strategy` module): DRADeviceTaints the devices'
+    /// `taints`; DRAConsumableCapacity the devices' `allowMultipleAllocations`
+    /// and capacities' `requestPolicy`, and in ResourceClaims the requests'
+    /// `capacity`, constraints' `distinctAttribute`, results' `shareID` and
+    /// `consumedCapacity` and `status.devices[].shareID`.
+    pub fn set_feature_gate(&self, gate: FeatureGate, on: bool) {
+        lock(&self.state.gates).set(gate, on);
+    }
+
+    /// Whether a feature gate is on.
+    pub fn feature_gate(&self, gate: FeatureGate) -> bool {
+        self.state.gates().get(gate)
     }
 
     /// Changes what `/version` reports from now on.

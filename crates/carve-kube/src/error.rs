@@ -51,6 +51,24 @@ pub enum PublishError {
         /// What was dropped.
         dropped: String,
     },
+    /// The API server stored a slice without fields of a feature gate that is
+    /// off (DRADeviceTaints: taints; DRAConsumableCapacity:
+    /// allowMultipleAllocations, requestPolicy). The sync stopped there.
+    #[error(
+        "{verb} ResourceSlice {slice}: the API server dropped {dropped} and stored the slice without them: the {gate} feature gate is off (its default in Kubernetes 1.34 and 1.35); enable it (--feature-gates={gate}=true on kube-apiserver, kube-scheduler and kube-controller-manager); {consequence}"
+    )]
+    FieldsDropped {
+        /// Create or update.
+        verb: Verb,
+        /// The slice.
+        slice: String,
+        /// The gate that is off.
+        gate: crate::dropped::FeatureGate,
+        /// What was dropped.
+        dropped: String,
+        /// What publishing without the gate would mean.
+        consequence: &'static str,
+    },
     /// Listing the slices of this driver on this node failed.
     #[error("list ResourceSlices of driver {driver} on node {node}")]
     List {
@@ -116,7 +134,8 @@ impl PublishError {
             | PublishError::Version { source } => api_code(source),
             PublishError::InvalidDesired { .. }
             | PublishError::BadVersion { .. }
-            | PublishError::CountersDropped { .. } => None,
+            | PublishError::CountersDropped { .. }
+            | PublishError::FieldsDropped { .. } => None,
         }
     }
 }

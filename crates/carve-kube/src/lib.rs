@@ -10,11 +10,16 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod desired;
+pub mod dropped;
 pub mod error;
+pub mod layout_watch;
 pub mod plan;
 pub mod publish;
 pub mod version;
 
+pub use dropped::{Dropped, FeatureGate, dropped_fields};
 pub use error::{PublishError, Verb};
+pub use layout_watch::{VersionChange, VersionWatch, skew_warning};
 pub use publish::{ConflictRetry, SlicePublisher, SyncReport};
 pub use version::{parse_version, server_version};

@@ -369,7 +369,7 @@ fn check_counters_kept(
     stored: &ResourceSlice,
 ) -> Result<(), PassError> {
     match dropped_counter_fields(sent, stored) {
-        None => Ok(()),
+        None => crate::dropped::check(verb, sent, stored).map_err(PassError::Fatal),
         Some(dropped) => {
             let slice = sent.metadata.name.clone().unwrap_or_default();
             tracing::error!(%slice, %verb, %dropped, "the API server dropped the counter fields of a ResourceSlice; enable the DRAPartitionableDevices feature gate");

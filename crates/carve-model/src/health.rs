@@ -13,8 +13,9 @@
 //!
 //! Recovery (when a condition clears), by [`Severity`]:
 //! - [`Severity::Ignore`]: application-level faults never create a condition.
-//! - [`Severity::Warning`]: taint effect `None`, device stays Healthy; clears after
-//!   [`HealthPolicy::warning_quiet`] without a recurrence.
+//! - [`Severity::Warning`]: taint effect `None` (withheld on Kubernetes 1.34,
+//!   which has no such effect: [`taints_for_version`]), device stays Healthy;
+//!   clears after [`HealthPolicy::warning_quiet`] without a recurrence.
 //! - [`Severity::Error`]: `NoSchedule`, Unhealthy; clears after
 //!   [`HealthPolicy::error_quiet`] without a recurrence.
 //! - [`Severity::Fatal`]: [`HealthPolicy::fatal_effect`] (`NoSchedule` by default),
@@ -678,6 +679,43 @@ impl HealthState {
     }
 }
 
+/// The taints of one device split by what the API server of a version
+/// accepts (see [`taints_for_version`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VersionedTaints {
+    /// Taints to publish.
+    pub published: Vec<DeviceTaint>,
+    /// Taints withheld because the version does not know their effect.
+    pub withheld: Vec<DeviceTaint>,
+}
+
+/// The taints of a device that the API server of `version` can store.
+///
+/// Kubernetes 1.34 accepts only the effects `NoSchedule` and `NoExecute`
+/// ([`crate::slices::taint_effects`]); with DRADeviceTaints on, a slice
+/// carrying an effect `None` taint is rejected whole (422). A `None` taint
+/// (warning-level events: XID 63, 92, 94, single-bit ECC; GPUs that cannot
+/// deliver events) has no scheduling effect by definition, so on 1.34 it is
+/// withheld rather than raised to `NoSchedule`, which would take a usable
+/// device out of service for a warning. The condition stays visible where it
+/// does not depend on the version: the device's health message in the
+/// kubelet health stream ([`HealthState::device_health`]) and the plugin log.
+/// A taint with any other effect the version does not accept is withheld too.
+#[must_use]
+pub fn taints_for_version(
+    taints: Vec<DeviceTaint>,
+    version: crate::slices::KubeVersion,
+) -> VersionedTaints {
+    let accepted = crate::slices::taint_effects(version);
+    let (published, withheld) = taints
+        .into_iter()
+        .partition(|t| accepted.contains(&t.effect.as_str()));
+    VersionedTaints {
+        published,
+        withheld,
+    }
+}
+
 /// A `metav1.Time` for `t`; `None` before 1970 or out of range (the API
 /// server then sets the time itself).
 #[must_use]
@@ -896,6 +934,48 @@ mod tests {
             [(XID_TAINT_KEY.into(), "95".into(), "NoSchedule".into())],
             "one taint per key, the strongest effect"
         );
+    }
+
+    #[test]
+    fn warning_taints_are_withheld_on_1_34_and_published_from_1_35() {
+        use crate::slices::{KubeVersion, taint_problem};
+        let mut s = HealthState::default();
+        // XID 94 (warning, effect None) and a single-bit ECC error on GPU 0,
+        // XID 79 (fatal, NoSchedule) on GPU 1.
+        s.apply(
+            &[
+                ev(0, EventKind::Xid(94), None, 10),
+                ev(0, EventKind::SingleBitEcc, None, 10),
+                ev(1, EventKind::Xid(79), None, 10),
+            ],
+            &live(),
+        );
+        let warn = s.taints(&d("gpu-0"));
+        assert_eq!(warn.len(), 2);
+        assert!(warn.iter().all(|t| t.effect == "None"));
+        let fatal = s.taints(&d("gpu-1"));
+        assert_eq!(fatal[0].effect, "NoSchedule");
+
+        let on134 = taints_for_version(warn.clone(), KubeVersion::V1_34);
+        assert!(on134.published.is_empty(), "1.34 has no effect None");
+        assert_eq!(on134.withheld, warn);
+        // What is published passes the 1.34 taint rules; what is withheld would not.
+        assert!(
+            warn.iter()
+                .all(|t| taint_problem(t, KubeVersion::V1_34).is_some())
+        );
+        let fatal134 = taints_for_version(fatal.clone(), KubeVersion::V1_34);
+        assert_eq!(fatal134.published, fatal, "NoSchedule is published on 1.34");
+        for v in [KubeVersion::V1_35, KubeVersion::V1_36] {
+            let on = taints_for_version(warn.clone(), v);
+            assert_eq!(on.published, warn, "{v}");
+            assert!(on.withheld.is_empty());
+            assert!(warn.iter().all(|t| taint_problem(t, v).is_none()));
+        }
+        // The warning stays visible in the health message on every version.
+        let h = s.device_health(&d("gpu-0"), t(11));
+        assert_eq!(h.status, HealthStatus::Healthy);
+        assert!(h.message.contains("XID 94"), "{}", h.message);
     }
 
     #[test]

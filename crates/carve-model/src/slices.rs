@@ -43,7 +43,10 @@ use crate::spec::{GpuSpec, PhysicalGpu, SpecError};
 pub use quantity::{Amount, QuantityError, parse_quantity};
 pub use sim::{parse_gpu_spec, simulated_gpus, simulated_node};
 pub use summary::{GpuSummary, summarize};
-pub use validate::{Rule, ValidationError, limits, validate_slices};
+pub use validate::{
+    KubeVersion, Rule, ValidationError, limits, taint_effects, taint_problem, validate_slices,
+    validate_slices_for_version,
+};
 
 /// Label key naming the manager of a slice.
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";

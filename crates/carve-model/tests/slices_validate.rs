@@ -664,3 +664,429 @@ fn pools_are_checked_apart_when_their_slices_interleave() {
     assert_eq!(e.slice(), b[1].metadata.name.as_deref().unwrap(), "{e}");
     assert!(e.to_string().contains("\"gpu-1\""), "{e}");
 }
+
+// === rules that change with the Kubernetes version (issue 21) ===
+
+use carve_model::sharing::{ComputeLimit, MemoryLimit, MpsCapabilities};
+use carve_model::slices::{KubeVersion, limits, validate_slices_for_version};
+use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
+
+/// Good slices of `layout` with MPS and time-slice devices (every device has
+/// capacities with a requestPolicy and `allowMultipleAllocations: true`).
+fn shared(layout: KubeLayout) -> Vec<ResourceSlice> {
+    let gpus: Vec<NodeGpu> = simulated_node("h100-80gb", 1)
+        .unwrap()
+        .into_iter()
+        .map(NodeGpu::dynamic)
+        .collect();
+    let mut o = SliceOptions::new("node-a", layout);
+    o.sharing.mps_caps = Some(MpsCapabilities {
+        memory_limit: MemoryLimit::Hard,
+        compute_limit: ComputeLimit::Percentage,
+    });
+    o.sharing.mps = true;
+    o.sharing.timeslice = true;
+    let s = build_slices(&gpus, &o).unwrap();
+    validate_slices(&s, layout).unwrap();
+    s
+}
+
+/// (slice, device) of the first device named `name`.
+fn find(s: &[ResourceSlice], name: &str) -> (usize, usize) {
+    for (i, sl) in s.iter().enumerate() {
+        if let Some(k) = sl
+            .spec
+            .devices
+            .iter()
+            .flatten()
+            .position(|d| d.name == name)
+        {
+            return (i, k);
+        }
+    }
+    panic!("no device {name}")
+}
+
+/// Like [`expect`], for one Kubernetes version and given good slices.
+fn expect_version(
+    version: KubeVersion,
+    mut s: Vec<ResourceSlice>,
+    f: impl FnOnce(&mut Vec<ResourceSlice>),
+    rule: Rule,
+    subject: &str,
+) {
+    validate_slices_for_version(&s, version).unwrap();
+    f(&mut s);
+    let e = validate_slices_for_version(&s, version)
+        .expect_err(&format!("{rule} not detected on {version}"));
+    assert_eq!(e.rule(), rule, "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains(subject), "{msg:?} does not name {subject:?}");
+    assert!(
+        msg.contains(rule.as_str()),
+        "{msg:?} does not name the rule"
+    );
+}
+
+fn taint(key: &str, value: Option<&str>, effect: &str) -> DeviceTaint {
+    DeviceTaint {
+        key: key.into(),
+        value: value.map(Into::into),
+        effect: effect.into(),
+        time_added: None,
+    }
+}
+
+fn with_taint(s: &mut [ResourceSlice], t: DeviceTaint) {
+    dev(s, 0, 0).taints = Some(vec![t]);
+}
+
+const VERSIONS: [KubeVersion; 3] = [KubeVersion::V1_34, KubeVersion::V1_35, KubeVersion::V1_36];
+
+fn good_for(v: KubeVersion) -> Vec<ResourceSlice> {
+    let layout = v.layout().unwrap();
+    // The 1.34 helper builds 4 GPUs; its first slice holds devices.
+    let mut s = match layout {
+        KubeLayout::V134 => v134(),
+        KubeLayout::V135Plus => v135(),
+    };
+    // The 1.35 layout's first slice holds only counters; move the device
+    // under test to slice 0 by reordering.
+    if layout == KubeLayout::V135Plus {
+        s.swap(0, 1);
+    }
+    s
+}
+
+#[test]
+fn taint_effect_none_is_refused_on_1_34_only() {
+    // upstream validDeviceTaintEffects: 1.34 {NoSchedule, NoExecute}, 1.35+ adds None.
+    for v in VERSIONS {
+        let mut s = good_for(v);
+        with_taint(&mut s, taint("gpu.carve.dev/xid", Some("94"), "None"));
+        let r = validate_slices_for_version(&s, v);
+        if v == KubeVersion::V1_34 {
+            let e = r.expect_err("None accepted on 1.34");
+            assert_eq!(e.rule(), Rule::TaintEffect, "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains("\"None\"") && msg.contains("1.34"), "{msg}");
+        } else {
+            r.unwrap_or_else(|e| panic!("{v}: {e}"));
+        }
+        // validate_slices(layout) checks the oldest version of the layout.
+        assert_eq!(
+            validate_slices(&s, v.layout().unwrap()).is_err(),
+            v == KubeVersion::V1_34,
+            "{v}"
+        );
+        for effect in ["NoSchedule", "NoExecute"] {
+            let mut s = good_for(v);
+            with_taint(&mut s, taint("gpu.carve.dev/xid", Some("79"), effect));
+            validate_slices_for_version(&s, v).unwrap_or_else(|e| panic!("{v} {effect}: {e}"));
+        }
+        // PreferNoSchedule (node taints only), an unknown effect and no effect
+        // are refused on every version.
+        for (effect, subject) in [
+            ("PreferNoSchedule", "PreferNoSchedule"),
+            ("Evict", "Evict"),
+            ("", "no effect"),
+        ] {
+            expect_version(
+                v,
+                good_for(v),
+                |s| with_taint(s, taint("gpu.carve.dev/xid", Some("79"), effect)),
+                Rule::TaintEffect,
+                subject,
+            );
+        }
+    }
+}
+
+#[test]
+fn taint_key_and_value_are_label_syntax() {
+    for v in VERSIONS {
+        for bad in [
+            "",
+            "Bad Key",
+            "gpu.carve.dev/",
+            "a/b/c",
+            "Upper.Domain/x",
+            &format!("gpu.carve.dev/{}", "x".repeat(64)),
+            &format!("{}/x", "a".repeat(254)),
+        ] {
+            expect_version(
+                v,
+                good_for(v),
+                |s| with_taint(s, taint(bad, None, "NoSchedule")),
+                Rule::TaintKey,
+                "taint key",
+            );
+        }
+        for bad in ["-x", "x y", &"x".repeat(64)] {
+            expect_version(
+                v,
+                good_for(v),
+                |s| with_taint(s, taint("gpu.carve.dev/xid", Some(bad), "NoSchedule")),
+                Rule::TaintValue,
+                "value",
+            );
+        }
+        // An empty value and a missing one are both fine.
+        for value in [None, Some("")] {
+            let mut s = good_for(v);
+            with_taint(&mut s, taint("gpu.carve.dev/gpu-lost", value, "NoExecute"));
+            validate_slices_for_version(&s, v).unwrap();
+        }
+    }
+}
+
+#[test]
+fn request_policy_contents_are_checked_by_validate_slices_alone() {
+    for layout in [V134, V135] {
+        let good = shared(layout);
+        let (i, k) = find(&good, "gpu-0-mps");
+        let (ti, tk) = find(&good, "gpu-0-ts");
+        let mutate = |f: fn(&mut CapacityRequestPolicy), ts: bool| {
+            let mut s = good.clone();
+            let (a, b) = if ts { (ti, tk) } else { (i, k) };
+            let d = dev(&mut s, a, b);
+            let name = d.name.clone();
+            let caps = d.capacity.as_mut().unwrap();
+            let (cap, c) = caps.iter_mut().next().unwrap();
+            let cap = cap.clone();
+            f(c.request_policy.as_mut().unwrap());
+            (s, name, cap)
+        };
+        type Case = (fn(&mut CapacityRequestPolicy), bool, &'static str);
+        let cases: [Case; 9] = [
+            (|p| p.default = None, false, "default is required"),
+            (|p| p.default = None, true, "default is required"),
+            (
+                |p| p.valid_values = Some(vec![q("0")]),
+                false,
+                "both validValues and validRange",
+            ),
+            (
+                |p| p.valid_values = Some(vec![q("2"), q("1"), q("0")]),
+                true,
+                "ascending",
+            ),
+            (
+                |p| p.valid_values = Some(vec![q("1")]),
+                true,
+                "do not contain default",
+            ),
+            (
+                |p| p.valid_values = Some((0..11).map(|n| q(&n.to_string())).collect()),
+                true,
+                "11 validValues",
+            ),
+            (
+                |p| p.valid_range.as_mut().unwrap().min = q("1000000Ti"),
+                false,
+                "min",
+            ),
+            (
+                |p| p.valid_range.as_mut().unwrap().step = Some(q("0")),
+                false,
+                "step",
+            ),
+            (
+                |p| p.valid_range.as_mut().unwrap().max = Some(q("1000000Ti")),
+                false,
+                "max",
+            ),
+        ];
+        for (f, ts, subject) in cases {
+            let (s, device, cap) = mutate(f, ts);
+            let e = validate_slices(&s, layout).expect_err(subject);
+            assert_eq!(e.rule(), Rule::RequestPolicy, "{e}");
+            let msg = e.to_string();
+            for part in [subject, device.as_str(), cap.as_str()] {
+                assert!(msg.contains(part), "{msg:?} lacks {part:?}");
+            }
+        }
+    }
+}
+
+fn selector(
+    reqs: Vec<NodeSelectorRequirement>,
+    fields: Vec<NodeSelectorRequirement>,
+) -> NodeSelector {
+    NodeSelector {
+        node_selector_terms: vec![NodeSelectorTerm {
+            match_expressions: Some(reqs),
+            match_fields: Some(fields),
+        }],
+    }
+}
+
+fn req(key: &str, op: &str, values: &[&str]) -> NodeSelectorRequirement {
+    NodeSelectorRequirement {
+        key: key.into(),
+        operator: op.into(),
+        values: Some(values.iter().map(|v| (*v).to_string()).collect()),
+    }
+}
+
+#[test]
+fn node_selector_term_contents() {
+    let on = |sel: NodeSelector| {
+        move |s: &mut Vec<ResourceSlice>| {
+            for sl in s.iter_mut() {
+                sl.spec.node_name = None;
+                sl.spec.node_selector = Some(sel.clone());
+            }
+        }
+    };
+    // Good selectors pass.
+    for sel in [
+        selector(
+            vec![req("kubernetes.io/hostname", "In", &["node-a"])],
+            vec![],
+        ),
+        selector(
+            vec![req("gpu", "Exists", &[]), req("n", "Gt", &["3"])],
+            vec![],
+        ),
+        selector(vec![], vec![req("metadata.name", "In", &["node-a"])]),
+    ] {
+        let mut s = v135();
+        on(sel)(&mut s);
+        validate_slices(&s, V135).unwrap();
+    }
+    let bad = [
+        (
+            selector(vec![req("k", "In", &[])], vec![]),
+            "operator In with 0 values",
+        ),
+        (
+            selector(vec![req("k", "Exists", &["x"])], vec![]),
+            "operator Exists with 1 values",
+        ),
+        (
+            selector(vec![req("k", "Gt", &["1", "2"])], vec![]),
+            "operator Gt with 2 values",
+        ),
+        (
+            selector(vec![req("k", "Near", &["x"])], vec![]),
+            "\"Near\" is not a valid selector operator",
+        ),
+        (
+            selector(vec![req("Bad Key", "In", &["x"])], vec![]),
+            "key \"Bad Key\"",
+        ),
+        (
+            selector(vec![req("k", "In", &["-x"])], vec![]),
+            "value \"-x\"",
+        ),
+        (
+            selector(vec![], vec![req("metadata.uid", "In", &["x"])]),
+            "not a valid field selector key",
+        ),
+        (
+            selector(vec![], vec![req("metadata.name", "In", &["a", "b"])]),
+            "exactly one value",
+        ),
+        (
+            selector(vec![], vec![req("metadata.name", "Exists", &[])]),
+            "matchFields operator",
+        ),
+        (
+            selector(vec![], vec![req("metadata.name", "In", &["Node_A"])]),
+            "not a node name",
+        ),
+    ];
+    for (sel, subject) in bad {
+        expect(V135, on(sel), Rule::NodeSelection, 0, subject);
+    }
+}
+
+fn list_attr() -> DeviceAttribute {
+    DeviceAttribute {
+        strings: Some(vec!["a".into(), "b".into()]),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn list_attributes_exist_from_1_36_with_48_values_per_device() {
+    // 1.34 and 1.35 do not know list-type attributes.
+    for v in [KubeVersion::V1_34, KubeVersion::V1_35] {
+        expect_version(
+            v,
+            good_for(v),
+            |s| {
+                attrs(dev(s, 0, 0)).insert("pcieRoots".into(), list_attr());
+            },
+            Rule::ListAttribute,
+            "1.36+",
+        );
+    }
+    let v = KubeVersion::V1_36;
+    let mut s = good_for(v);
+    attrs(dev(&mut s, 0, 0)).insert("pcieRoots".into(), list_attr());
+    validate_slices_for_version(&s, v).unwrap();
+    expect_version(
+        v,
+        good_for(v),
+        |s| {
+            attrs(dev(s, 0, 0)).insert(
+                "pcieRoots".into(),
+                DeviceAttribute {
+                    ints: Some(vec![]),
+                    ..Default::default()
+                },
+            );
+        },
+        Rule::ListAttribute,
+        "empty list",
+    );
+    // Upstream ResourceSliceMaxAttributeValuesPerDevice = 48, list items counted.
+    let scalars = good_for(v)[0].spec.devices.as_ref().unwrap()[0]
+        .attributes
+        .as_ref()
+        .unwrap()
+        .len();
+    let room = limits::ATTRIBUTE_VALUES_PER_DEVICE - scalars;
+    let fill = |n: usize| DeviceAttribute {
+        ints: Some((0..n as i64).collect()),
+        ..Default::default()
+    };
+    let mut s = good_for(v);
+    attrs(dev(&mut s, 0, 0)).insert("many".into(), fill(room));
+    validate_slices_for_version(&s, v).unwrap();
+    expect_version(
+        v,
+        good_for(v),
+        |s| {
+            attrs(dev(s, 0, 0)).insert("many".into(), fill(room + 1));
+        },
+        Rule::AttributeValueCount,
+        "49 attribute values",
+    );
+    // A slice with a list attribute holds at most 64 devices (1.36
+    // ResourceSliceMaxDevicesWithAdvancedFeatures), even without counters.
+    let mut s = good_for(v);
+    for sl in s.iter_mut() {
+        for d in sl.spec.devices.iter_mut().flatten() {
+            d.consumes_counters = None;
+        }
+        sl.spec.shared_counters = None;
+    }
+    s.retain(|sl| sl.spec.devices.is_some());
+    for sl in s.iter_mut() {
+        sl.spec.pool.resource_slice_count = 1;
+    }
+    let ds = s[0].spec.devices.as_mut().unwrap();
+    let template = ds[0].clone();
+    while ds.len() < 65 {
+        let mut d = template.clone();
+        d.name = format!("extra-{}", ds.len());
+        ds.push(d);
+    }
+    validate_slices_for_version(&s, v).unwrap();
+    attrs(dev(&mut s, 0, 0)).insert("pcieRoots".into(), list_attr());
+    let e = validate_slices_for_version(&s, v).unwrap_err();
+    assert_eq!(e.rule(), Rule::DevicesPerSlice, "{e}");
+}

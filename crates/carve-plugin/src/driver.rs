@@ -2667,7 +2667,7 @@ fn plan_share(
         .ok_or_else(|| ClaimError::MpsDisabled { device: device() })?;
     let share_id = r.share_id.as_deref().ok_or_else(|| ClaimError::BadShare {
         device: device(),
-        reason: "the allocation result has no shareID (the scheduler gives every share of a shareable device one)".into(),
+        reason: "the allocation result has no shareID (the scheduler gives every share of a shareable device one; an API server with the DRAConsumableCapacity feature gate off drops shareID and consumedCapacity from the claim: enable it on kube-apiserver)".into(),
     })?;
     if share_id.is_empty()
         || share_id.len() > 64
@@ -2683,7 +2683,7 @@ fn plan_share(
     let Some(consumed) = r.consumed_capacity.as_ref().filter(|c| !c.is_empty()) else {
         return Err(ClaimError::BadShare {
             device: device(),
-            reason: "the allocation result has no consumedCapacity, so the share has no memory or SM limit (the scheduler records it with DRAConsumableCapacity enabled)".into(),
+            reason: "the allocation result has no consumedCapacity, so the share has no memory or SM limit (the scheduler records it with DRAConsumableCapacity enabled; an API server with that feature gate off drops it from the claim: enable it on kube-apiserver)".into(),
         });
     };
     let caps = setup.support.capabilities();

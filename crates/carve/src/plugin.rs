@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use carve_gpu::GpuBackend;
-use carve_model::slices::{self, GpuPolicy as SlicePolicy, KubeLayout, NodeGpu, SliceOptions};
+use carve_model::slices::{self, GpuPolicy as SlicePolicy, KubeVersion, NodeGpu, SliceOptions};
 use carve_plugin::{GpuPolicy, PluginConfig};
+use k8s_openapi::api::resource::v1::ResourceSlice;
 
 #[derive(Debug, clap::Args)]
 pub struct PluginArgs {
@@ -338,21 +339,21 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
     let rt = runtime()?;
     rt.block_on(async move {
         let client = kube_client(args.kube_api_url.as_deref()).await?;
-        let (major, minor) = carve_kube::server_version(&client).await.context("reading the API server version")?;
-        let layout = KubeLayout::for_version(major, minor)?;
+        // The API server's version picks the slice layout; it is read again
+        // every resync and after a failed publish (see `follow_version`).
+        let mut versions = carve_kube::VersionWatch::new(client.clone()).await.context("reading the API server version")?;
+        let version = versions.version();
+        let layout = version.layout()?;
         let mut opts = SliceOptions::new(&args.node_name, layout);
         opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
         opts.sharing.mps_caps = mps.as_ref().map(|m| m.support.capabilities());
         opts.sharing.mps = args.sharing.contains(&SharingKind::Mps);
         opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
-        if !args.sharing.is_empty() && (major, minor) < (1, 36) {
-            tracing::warn!(major, minor, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
+        if !args.sharing.is_empty() && version < KubeVersion::V1_36 {
+            tracing::warn!(%version, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
-        let desired = slices::build_slices(&inv.gpus, &opts)?;
-        let max_taints = match layout {
-            KubeLayout::V134 => carve_plugin::health::MAX_TAINTS_PER_DEVICE_1_34,
-            KubeLayout::V135Plus => carve_plugin::health::MAX_TAINTS_PER_DEVICE,
-        };
+        let build = Builder { gpus: inv.gpus.clone(), opts };
+        let desired = build.slices(version)?;
 
         let metrics = Arc::new(carve_metrics::Metrics::new());
         let names: Vec<carve_model::DeviceName> = desired
@@ -372,44 +373,44 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         )
         .await?;
 
-        // Publish, then keep the slices published (with the current taints): a
-        // resync with nothing changed makes no API write.
+        // Publish, then keep the slices published (with the current taints, in
+        // the layout of the API server's current version): a resync with
+        // nothing changed makes no API write.
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut publisher = carve_kube::SlicePublisher::new(client.clone(), args.node_name.clone(), carve_model::DRIVER_NAME);
         let mut snapshots = health.subscribe();
-        // The slices as built are kept once and published as they are; a copy
-        // is made only while some device carries a taint.
-        let desired = Arc::new(desired);
-        let tainted = move |snapshot: &carve_plugin::health::HealthSnapshot| {
-            if snapshot.taints.is_empty() {
-                return Arc::clone(&desired);
-            }
-            let mut s = (*desired).clone();
-            match carve_plugin::health::apply_taints(&mut s, &snapshot.taints, max_taints) {
-                Ok(_) => Arc::new(s),
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot publish the health taints; publishing without them");
-                    Arc::clone(&desired)
-                }
-            }
-        };
-        let first = tainted(&snapshots.borrow_and_update());
+        let mut current = Published { version, base: Arc::new(desired) };
+        let first = current.tainted(&snapshots.borrow_and_update());
         match publisher.sync(&*first).await {
-            Ok(r) => tracing::info!(created = r.created, updated = r.updated, deleted = r.deleted, unchanged = r.unchanged, "slices published"),
-            Err(e) => tracing::error!(error = %e, "publishing slices failed; retrying in the background"),
+            Ok(r) => tracing::info!(created = r.created, updated = r.updated, deleted = r.deleted, unchanged = r.unchanged, %version, "slices published"),
+            Err(e) => {
+                tracing::error!(error = %e, "publishing slices failed; retrying in the background");
+                follow_version(&mut versions, &mut current, &build).await;
+            }
         }
         let resync = Duration::from_secs(args.resync_seconds.max(1));
         let mut stop = stop_rx.clone();
         let publish_task = tokio::spawn(async move {
             loop {
-                tokio::select! {
+                let tick = tokio::select! {
                     _ = stop.changed() => return,
-                    r = snapshots.changed() => if r.is_err() { return },
-                    () = tokio::time::sleep(resync) => {}
+                    r = snapshots.changed() => if r.is_err() { return } else { false },
+                    () = tokio::time::sleep(resync) => true,
+                };
+                if tick {
+                    follow_version(&mut versions, &mut current, &build).await;
                 }
-                let want = tainted(&snapshots.borrow_and_update());
+                let want = current.tainted(&snapshots.borrow_and_update());
                 if let Err(e) = publisher.sync(&*want).await {
                     tracing::error!(error = %e, "republishing slices failed");
+                    // A failed write may mean the control plane was upgraded
+                    // (a 1.35 server refuses the 1.34 layout): look at once.
+                    if follow_version(&mut versions, &mut current, &build).await {
+                        let want = current.tainted(&snapshots.borrow_and_update());
+                        if let Err(e) = publisher.sync(&*want).await {
+                            tracing::error!(error = %e, "republishing slices in the new layout failed");
+                        }
+                    }
                 }
             }
         });
@@ -483,6 +484,89 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         health.stop().await?;
         Ok(())
     })
+}
+
+/// Builds the node's slices for a Kubernetes version (its layout).
+struct Builder {
+    gpus: Vec<NodeGpu>,
+    opts: SliceOptions,
+}
+
+impl Builder {
+    fn slices(&self, version: KubeVersion) -> anyhow::Result<Vec<ResourceSlice>> {
+        let mut o = self.opts.clone();
+        o.layout = version.layout()?;
+        Ok(slices::build_slices(&self.gpus, &o)?)
+    }
+}
+
+/// What is being published: the slices as built for `version`, before taints.
+struct Published {
+    version: KubeVersion,
+    base: Arc<Vec<ResourceSlice>>,
+}
+
+impl Published {
+    /// The slices to send with the current health taints: those the version
+    /// accepts (effect `None` is withheld on 1.34), validated for the version
+    /// before they are sent; the untainted slices when that fails. A copy is
+    /// made only while some device carries a taint.
+    fn tainted(&self, snapshot: &carve_plugin::health::HealthSnapshot) -> Arc<Vec<ResourceSlice>> {
+        if snapshot.taints.is_empty() {
+            return Arc::clone(&self.base);
+        }
+        match carve_kube::desired::with_taints(&self.base, &snapshot.taints, self.version) {
+            Ok(t) => {
+                if !t.withheld.is_empty() {
+                    tracing::info!(
+                        version = %self.version,
+                        devices = t.withheld.len(),
+                        "taints with effect None withheld: this Kubernetes version does not accept them (the condition stays in the device health the kubelet gets)"
+                    );
+                }
+                Arc::new(t.slices)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot publish the health taints; publishing without them");
+                Arc::clone(&self.base)
+            }
+        }
+    }
+}
+
+/// Reads the API server's version again; when it changed, rebuilds the
+/// slices for it (the publisher then writes the new layout as the pool's next
+/// generation, see `carve_kube::layout_watch`) and says whether it did.
+async fn follow_version(
+    versions: &mut carve_kube::VersionWatch,
+    current: &mut Published,
+    build: &Builder,
+) -> bool {
+    let change = match versions.refresh().await {
+        Ok(Some(c)) => c,
+        Ok(None) => return false,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the API server version; keeping the current layout");
+            return false;
+        }
+    };
+    tracing::info!(from = %change.from, to = %change.to, layout_changed = change.layout_changed(), "the API server's Kubernetes version changed");
+    if let Some(w) = carve_kube::skew_warning(change) {
+        tracing::warn!("{w}");
+    }
+    match build.slices(change.to) {
+        Ok(s) => {
+            *current = Published {
+                version: change.to,
+                base: Arc::new(s),
+            };
+            true
+        }
+        Err(e) => {
+            tracing::error!(error = %e, version = %change.to, "cannot build slices for this Kubernetes version; keeping the ones for {}", current.version);
+            false
+        }
+    }
 }
 
 /// The plugin's runtime: one thread for the async work (gRPC, API calls,

@@ -1,5 +1,20 @@
 //! Checks a set of ResourceSlices against the `resource.k8s.io/v1` rules a
-//! driver can break (dra-api.md A.1–A.5), for the 1.34 or the 1.35+ layout.
+//! driver can break (dra-api.md A.1–A.5), for the 1.34 or the 1.35+ layout,
+//! and for the rules that change with the Kubernetes minor version
+//! ([`KubeVersion`]: taint effects, list-type attributes).
+//!
+//! Upstream sources of the rules (paraphrased, not copied):
+//! `kubernetes/kubernetes` `pkg/apis/resource/validation/validation.go`
+//! (commit `009801d930e2`, 1.37 development: `validateResourceSliceSpec`,
+//! `validateDevice`, `validateDeviceTaint`, `validateRequestPolicy`,
+//! `numEntriesDeviceAttribute`, `haveListAttributes`) and
+//! `pkg/apis/core/validation` (`ValidateNodeSelector`,
+//! `ValidateNodeSelectorRequirement`, `ValidateNodeFieldSelectorRequirement`);
+//! the per-version differences from the `resource.k8s.io/v1` API documentation
+//! of each release as k8s-openapi 0.29 carries it (`src/v1_34`, `v1_35`,
+//! `v1_36`: `DeviceTaint.effect` is "NoSchedule and NoExecute" in 1.34 and
+//! "None, NoSchedule and NoExecute" from 1.35; `DeviceAttribute.bools/ints/
+//! strings/versions` exist from 1.36) and dra-api.md A.5.
 //!
 //! This is not the API server: it checks what carve publishes, plus the
 //! cross-slice rules the 1.35+ API server leaves to the scheduler (a counter
@@ -8,10 +23,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
-use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceAttribute, ResourceSlice};
+use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement};
+use k8s_openapi::api::resource::v1::{
+    Counter, CounterSet, Device, DeviceAttribute, DeviceTaint, ResourceSlice,
+};
 
-use super::KubeLayout;
 use super::quantity::{self, Amount};
+use super::{KubeLayout, SliceError};
 
 /// Numeric limits of `resource.k8s.io/v1` (dra-api.md A.5).
 pub mod limits {
@@ -53,6 +71,70 @@ pub mod limits {
     pub const C_IDENTIFIER: usize = 32;
     /// Label value length.
     pub const LABEL_VALUE: usize = 63;
+    /// Attribute values per device, each item of a list attribute counted
+    /// (1.36+, upstream `ResourceSliceMaxAttributeValuesPerDevice` = 48).
+    pub const ATTRIBUTE_VALUES_PER_DEVICE: usize = 48;
+}
+
+/// The taint effects the API server of a version accepts: 1.34 knows
+/// `NoSchedule` and `NoExecute`; `None` arrives in 1.35 (upstream
+/// `validDeviceTaintEffects`; k8s-openapi 0.29 `v1_34` / `v1_35`
+/// `DeviceTaint.effect` documentation).
+#[must_use]
+pub fn taint_effects(version: KubeVersion) -> &'static [&'static str] {
+    if version < KubeVersion::V1_35 {
+        &["NoExecute", "NoSchedule"]
+    } else {
+        &["NoExecute", "NoSchedule", "None"]
+    }
+}
+
+/// A Kubernetes `major.minor`, for the rules that change between releases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct KubeVersion {
+    /// Major version (1).
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+impl KubeVersion {
+    /// Kubernetes 1.34, the first with `resource.k8s.io/v1`.
+    pub const V1_34: Self = Self::new(1, 34);
+    /// Kubernetes 1.35: counter sets in their own slices, taint effect `None`.
+    pub const V1_35: Self = Self::new(1, 35);
+    /// Kubernetes 1.36: list-type attributes (gate DRAListTypeAttributes).
+    pub const V1_36: Self = Self::new(1, 36);
+
+    /// `major.minor`.
+    #[must_use]
+    pub const fn new(major: u32, minor: u32) -> Self {
+        Self { major, minor }
+    }
+
+    /// The slice layout of this version.
+    ///
+    /// # Errors
+    /// [`SliceError::UnsupportedVersion`] before 1.34.
+    pub fn layout(self) -> Result<KubeLayout, SliceError> {
+        KubeLayout::for_version(self.major, self.minor)
+    }
+
+    /// The oldest version of a layout: the strictest rules that layout is
+    /// published under (1.35 rejects list attributes, which 1.36 accepts).
+    #[must_use]
+    pub fn oldest_of(layout: KubeLayout) -> Self {
+        match layout {
+            KubeLayout::V134 => Self::V1_34,
+            KubeLayout::V135Plus => Self::V1_35,
+        }
+    }
+}
+
+impl fmt::Display for KubeVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
 }
 
 /// A rule of the ResourceSlice API; each [`ValidationError`] names one.
@@ -71,7 +153,8 @@ pub enum Rule {
     /// `spec.pool.resourceSliceCount` is positive and equals the slices of the pool.
     SliceCount,
     /// Exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection,
-    /// each with a valid value.
+    /// each with a valid value (a nodeSelector: exactly one term, each
+    /// requirement with a valid key, operator and values).
     NodeSelection,
     /// Too many devices in one slice.
     DevicesPerSlice,
@@ -107,12 +190,27 @@ pub enum Rule {
     VersionFormat,
     /// At most 32 attributes plus capacities per device.
     AttributeCount,
-    /// A capacity `requestPolicy` needs `allowMultipleAllocations: true`.
+    /// A capacity `requestPolicy` needs `allowMultipleAllocations: true` and
+    /// must follow the policy rules (default required with validValues or
+    /// validRange, not both, values ascending, at most 10, within the
+    /// capacity, range bounds and steps consistent).
     RequestPolicy,
     /// Device-level node selection only (and exactly) with perDeviceNodeSelection.
     DeviceNodeSelection,
     /// Too many taints on a device.
     TaintsPerDevice,
+    /// A taint key is a label name (`[prefix/]name`), required.
+    TaintKey,
+    /// A taint value is empty or a label value.
+    TaintValue,
+    /// A taint effect is required and one the version accepts
+    /// (1.34: NoSchedule, NoExecute; 1.35+: also None).
+    TaintEffect,
+    /// List-type attributes (`bools`, `ints`, `strings`, `versions`) exist
+    /// from 1.36 only and must not be empty.
+    ListAttribute,
+    /// 1.36+: at most 48 attribute values per device, list items counted.
+    AttributeValueCount,
     /// 1.35+: at most 2 consumesCounters entries per device, unique by counter set.
     ConsumptionEntries,
     /// 1.35+: at most 32 counters per consumesCounters entry.
@@ -161,6 +259,11 @@ impl Rule {
             Self::RequestPolicy => "request-policy",
             Self::DeviceNodeSelection => "device-node-selection",
             Self::TaintsPerDevice => "taints-per-device",
+            Self::TaintKey => "taint-key",
+            Self::TaintValue => "taint-value",
+            Self::TaintEffect => "taint-effect",
+            Self::ListAttribute => "list-attribute",
+            Self::AttributeValueCount => "attribute-value-count",
             Self::ConsumptionEntries => "consumes-counters-entries",
             Self::CountersPerConsumption => "counters-per-consumption",
             Self::DeviceCountersTotal => "device-counters-total",
@@ -402,7 +505,10 @@ fn slice_name(s: &ResourceSlice) -> &str {
 
 /// Validate slices as the API server of `layout` would, plus the cross-slice
 /// references within each pool (pools are keyed by driver and pool name; every
-/// slice of a pool must be given).
+/// slice of a pool must be given). The version-dependent rules are those of
+/// the oldest version of the layout ([`KubeVersion::oldest_of`]: 1.34 or 1.35),
+/// the strictest it is published under; [`validate_slices_for_version`] checks
+/// one version.
 ///
 /// # Errors
 /// The first broken rule, naming the slice, the device or counter set, and the rule.
@@ -410,6 +516,29 @@ pub fn validate_slices(
     slices: &[ResourceSlice],
     layout: KubeLayout,
 ) -> Result<(), ValidationError> {
+    validate_slices_for_version(slices, KubeVersion::oldest_of(layout))
+}
+
+/// The layout rules a version follows (before 1.34 there is no
+/// `resource.k8s.io/v1`; such a version is checked as 1.34).
+fn layout_of(version: KubeVersion) -> KubeLayout {
+    if version < KubeVersion::V1_35 {
+        KubeLayout::V134
+    } else {
+        KubeLayout::V135Plus
+    }
+}
+
+/// [`validate_slices`] for the API server of one Kubernetes version: its
+/// layout, taint effects (`None` from 1.35) and list-attribute rules (1.36+).
+///
+/// # Errors
+/// The first broken rule, naming the slice, the device or counter set, and the rule.
+pub fn validate_slices_for_version(
+    slices: &[ResourceSlice],
+    version: KubeVersion,
+) -> Result<(), ValidationError> {
+    let layout = layout_of(version);
     // Every consumed quantity, parsed once by the per-slice checks (in the
     // order slices, devices, consumesCounters entries, counters) and read
     // back in that order by the pool checks; `starts[i]` is where slice `i`'s
@@ -426,16 +555,17 @@ pub fn validate_slices(
     let mut starts = Vec::with_capacity(slices.len());
     for s in slices {
         starts.push(consumed.len());
-        validate_slice(s, layout, &mut consumed)?;
+        validate_slice(s, version, &mut consumed)?;
     }
     validate_pools(slices, layout, &starts, &consumed)
 }
 
 fn validate_slice(
     s: &ResourceSlice,
-    layout: KubeLayout,
+    version: KubeVersion,
     consumed: &mut Vec<Amount>,
 ) -> Result<(), ValidationError> {
+    let layout = layout_of(version);
     let name = slice_name(s);
     let c = Ctx { slice: name };
     if !is_dns_subdomain(name) {
@@ -496,9 +626,16 @@ fn validate_slice(
 
     let devices = spec.devices.as_deref().unwrap_or(&[]);
     let sets = spec.shared_counters.as_deref().unwrap_or(&[]);
-    let advanced = devices
-        .iter()
-        .any(|d| d.consumes_counters.is_some() || d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+    // Upstream `haveDeviceTaints || haveConsumesCounters || haveListAttributes`
+    // (the last from 1.36; before, list attributes are refused per device).
+    let advanced = devices.iter().any(|d| {
+        d.consumes_counters.is_some()
+            || d.taints.as_ref().is_some_and(|t| !t.is_empty())
+            || d.attributes
+                .iter()
+                .flatten()
+                .any(|(_, a)| is_list_attribute(a))
+    });
     let max_devices = match layout {
         KubeLayout::V135Plus if advanced => limits::DEVICES_PER_SLICE_ADVANCED,
         _ => limits::DEVICES_PER_SLICE,
@@ -554,7 +691,7 @@ fn validate_slice(
     for d in devices {
         device_counters += validate_device(
             d,
-            layout,
+            version,
             per_device,
             &set_names,
             &c,
@@ -612,6 +749,11 @@ fn validate_node_selection(s: &ResourceSlice, c: &Ctx<'_>) -> Result<(), Validat
                 sel.node_selector_terms.len()
             ),
         ));
+    }
+    if let Some(sel) = &spec.node_selector
+        && let Some(p) = node_selector_problem(sel)
+    {
+        return Err(c.slice(Rule::NodeSelection, format!("nodeSelector: {p}")));
     }
     if spec.all_nodes == Some(false) || spec.per_device_node_selection == Some(false) {
         return Err(c.slice(
@@ -677,6 +819,128 @@ fn validate_counter_set(
     Ok(())
 }
 
+/// Whether an attribute holds a list value (1.36+).
+fn is_list_attribute(a: &DeviceAttribute) -> bool {
+    a.bools.is_some() || a.ints.is_some() || a.strings.is_some() || a.versions.is_some()
+}
+
+/// Items of an attribute's list values.
+fn list_len(a: &DeviceAttribute) -> usize {
+    a.bools.as_ref().map_or(0, Vec::len)
+        + a.ints.as_ref().map_or(0, Vec::len)
+        + a.strings.as_ref().map_or(0, Vec::len)
+        + a.versions.as_ref().map_or(0, Vec::len)
+}
+
+/// What is wrong with a taint for the API server of `version` (upstream
+/// `validateDeviceTaint`): the key a label name, the value empty or a label
+/// value, the effect required and one of [`taint_effects`].
+#[must_use]
+pub fn taint_problem(t: &DeviceTaint, version: KubeVersion) -> Option<(Rule, String)> {
+    if !is_label_key(&t.key) {
+        return Some((
+            Rule::TaintKey,
+            format!(
+                "taint key {:?} is not a label name ([DNS subdomain/]name, name at most 63 characters)",
+                t.key
+            ),
+        ));
+    }
+    if let Some(v) = &t.value
+        && !is_label_value(v)
+    {
+        return Some((
+            Rule::TaintValue,
+            format!("taint {:?} value {v:?} is not a label value", t.key),
+        ));
+    }
+    let effects = taint_effects(version);
+    if t.effect.is_empty() {
+        return Some((
+            Rule::TaintEffect,
+            format!(
+                "taint {:?} has no effect; one of {effects:?} is required",
+                t.key
+            ),
+        ));
+    }
+    if !effects.contains(&t.effect.as_str()) {
+        return Some((
+            Rule::TaintEffect,
+            format!(
+                "taint {:?} effect {:?} is not supported by Kubernetes {version}, which accepts {effects:?}",
+                t.key, t.effect
+            ),
+        ));
+    }
+    None
+}
+
+/// What is wrong with a node selector's terms (upstream `ValidateNodeSelector`
+/// with invalid label values not allowed, as the ResourceSlice validation
+/// calls it): at least one term; in `matchExpressions` a label-name key,
+/// `In`/`NotIn` with values, `Exists`/`DoesNotExist` without, `Gt`/`Lt` with
+/// exactly one, every value a label value; in `matchFields` only
+/// `metadata.name` with `In`/`NotIn` and exactly one node name.
+fn node_selector_problem(sel: &NodeSelector) -> Option<String> {
+    if sel.node_selector_terms.is_empty() {
+        return Some("must have at least one node selector term".into());
+    }
+    let expression = |r: &NodeSelectorRequirement| -> Option<String> {
+        let values = r.values.as_deref().unwrap_or(&[]);
+        let ok = match r.operator.as_str() {
+            "In" | "NotIn" => !values.is_empty(),
+            "Exists" | "DoesNotExist" => values.is_empty(),
+            "Gt" | "Lt" => values.len() == 1,
+            other => return Some(format!("{other:?} is not a valid selector operator")),
+        };
+        if !ok {
+            return Some(format!(
+                "operator {} with {} values (In/NotIn need some, Exists/DoesNotExist none, Gt/Lt one)",
+                r.operator,
+                values.len()
+            ));
+        }
+        if !is_label_key(&r.key) {
+            return Some(format!("key {:?} is not a label name", r.key));
+        }
+        values
+            .iter()
+            .find(|v| !is_label_value(v))
+            .map(|v| format!("value {v:?} of key {:?} is not a label value", r.key))
+    };
+    let field = |r: &NodeSelectorRequirement| -> Option<String> {
+        let values = r.values.as_deref().unwrap_or(&[]);
+        if !matches!(r.operator.as_str(), "In" | "NotIn") {
+            return Some(format!(
+                "matchFields operator {:?} is not a valid selector operator",
+                r.operator
+            ));
+        }
+        if values.len() != 1 {
+            return Some(format!(
+                "matchFields {} needs exactly one value, has {}",
+                r.key,
+                values.len()
+            ));
+        }
+        if r.key != "metadata.name" {
+            return Some(format!("{:?} is not a valid field selector key", r.key));
+        }
+        values
+            .iter()
+            .find(|v| !is_dns_subdomain(v))
+            .map(|v| format!("matchFields value {v:?} is not a node name"))
+    };
+    sel.node_selector_terms.iter().find_map(|t| {
+        t.match_expressions
+            .iter()
+            .flatten()
+            .find_map(expression)
+            .or_else(|| t.match_fields.iter().flatten().find_map(field))
+    })
+}
+
 fn attribute_values(a: &DeviceAttribute) -> usize {
     [
         a.bool.is_some(),
@@ -696,13 +960,14 @@ fn attribute_values(a: &DeviceAttribute) -> usize {
 /// Returns the device's number of counter entries.
 fn validate_device(
     d: &Device,
-    layout: KubeLayout,
+    version: KubeVersion,
     per_device_selection: bool,
     slice_sets: &BTreeSet<&str>,
     c: &Ctx<'_>,
     consumed: &mut Vec<Amount>,
     known_attributes: Option<&BTreeMap<String, DeviceAttribute>>,
 ) -> Result<usize, ValidationError> {
+    let layout = layout_of(version);
     let name = d.name.as_str();
     let err = |rule, detail: String| c.device(name, rule, detail);
     if !is_dns_label(name) {
@@ -735,6 +1000,22 @@ fn validate_device(
                 format!("attribute {k:?} has {n} values, exactly one is required"),
             ));
         }
+        if is_list_attribute(a) {
+            if version < KubeVersion::V1_36 {
+                return Err(err(
+                    Rule::ListAttribute,
+                    format!(
+                        "attribute {k:?} is a list (bools/ints/strings/versions), which Kubernetes {version} does not know (1.36+ with DRAListTypeAttributes)"
+                    ),
+                ));
+            }
+            if list_len(a) == 0 {
+                return Err(err(
+                    Rule::ListAttribute,
+                    format!("attribute {k:?} is an empty list; a list must not be empty if set"),
+                ));
+            }
+        }
         let length = |s: &String| {
             if s.len() > limits::ATTRIBUTE_STRING_BYTES {
                 return Err(err(
@@ -765,6 +1046,27 @@ fn validate_device(
         a.version.iter().try_for_each(semver)?;
         a.versions.iter().flatten().try_for_each(semver)?;
     }
+    // Upstream `numEntriesDeviceAttribute`: a scalar counts 1, a list its items.
+    let values: usize = attrs
+        .into_iter()
+        .flatten()
+        .map(|(_, a)| {
+            if is_list_attribute(a) {
+                list_len(a).max(1)
+            } else {
+                1
+            }
+        })
+        .sum();
+    if values > limits::ATTRIBUTE_VALUES_PER_DEVICE {
+        return Err(err(
+            Rule::AttributeValueCount,
+            format!(
+                "{values} attribute values (list items counted), at most {} allowed",
+                limits::ATTRIBUTE_VALUES_PER_DEVICE
+            ),
+        ));
+    }
     let multi = d.allow_multiple_allocations == Some(true);
     for (k, cap) in caps.into_iter().flatten() {
         if let Some(p) = qualified_name_problem(k) {
@@ -780,6 +1082,10 @@ fn validate_device(
                 ),
             ));
         }
+        // The content rules (upstream `validateRequestPolicy`); carve's
+        // checker is the one the sharing devices are built with.
+        crate::sharing::check_request_policy(k, cap)
+            .map_err(|e| err(Rule::RequestPolicy, e.to_string()))?;
     }
     let n = attrs.map_or(0, |a| a.len()) + caps.map_or(0, |c| c.len());
     if n > limits::ATTRIBUTES_AND_CAPACITIES {
@@ -799,6 +1105,11 @@ fn validate_device(
     .iter()
     .filter(|&&b| b)
     .count();
+    if let Some(sel) = &d.node_selector
+        && let Some(p) = node_selector_problem(sel)
+    {
+        return Err(err(Rule::DeviceNodeSelection, format!("nodeSelector: {p}")));
+    }
     if per_device_selection && own != 1 {
         return Err(err(
             Rule::DeviceNodeSelection,
@@ -823,6 +1134,11 @@ fn validate_device(
             Rule::TaintsPerDevice,
             format!("{taints} taints, at most {max_taints} allowed"),
         ));
+    }
+    for t in d.taints.iter().flatten() {
+        if let Some((rule, detail)) = taint_problem(t, version) {
+            return Err(err(rule, detail));
+        }
     }
     let consumes = d.consumes_counters.as_deref().unwrap_or(&[]);
     if layout == KubeLayout::V135Plus && consumes.len() > limits::CONSUMPTIONS_PER_DEVICE {

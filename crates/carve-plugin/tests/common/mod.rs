@@ -134,6 +134,8 @@ pub fn plugin_config(d: &Path) -> PluginConfig {
     c.boot_id_path = d.join("boot_id");
     // Written by `Node::new` (nvidia_ml_sim::driver_root).
     c.driver.container_root = d.join("driver");
+    // The plugin runs on the host here: the host sees the root at the same path.
+    c.driver.host_root = d.join("driver");
     c.driver.proc_devices = d.join("devices");
     c.driver.proc_driver_nvidia = d.join("sim").join("proc");
     c.gc_interval = None;

@@ -132,9 +132,8 @@ pub fn write_fake_driver(
     for f in ["gsp_ga10x.bin", "gsp_tu10x.bin"] {
         write(&fw.join(f), b"fake GSP firmware\n", 0o644)?;
     }
-    let icd = format!(
-        "{{\"file_format_version\": \"1.0.1\", \"ICD\": {{\"library_path\": \"libGLX_nvidia.so.0\", \"api_version\": \"1.3\"}}}}\n"
-    );
+    let icd = r#"{"file_format_version": "1.0.1", "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3"}}
+"#;
     write(
         &root.join("etc/vulkan/icd.d/nvidia_icd.json"),
         icd.as_bytes(),

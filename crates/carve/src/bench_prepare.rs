@@ -327,7 +327,18 @@ impl BenchNode {
         let sidecar = PathBuf::from(side);
         sim.to_file(&sidecar)?;
         std::fs::write(d.join("boot_id"), "bench-boot\n").context("writing boot id")?;
+        // The driver files the CDI specs name (a fake driver root).
+        let driver = nvidia_ml_sim::driver_root::write_fake_driver(
+            d,
+            &sim.driver_version,
+            &(0..gpus).collect::<Vec<_>>(),
+        )
+        .context("writing the fake NVIDIA driver root")?;
         let mut c = PluginConfig::new(NODE);
+        c.driver.container_root.clone_from(&driver.root);
+        c.driver.host_root = driver.root;
+        c.driver.proc_devices = driver.devices_file;
+        c.driver.proc_driver_nvidia.clone_from(&sim.proc_root);
         c.plugins_registry_dir = d.join("registry");
         c.plugin_dir = d.join("plugins");
         c.cdi_dir = cdi.path().to_path_buf();

@@ -1872,14 +1872,23 @@ fn container_text(edits: &serde_json::Value) -> String {
         .iter()
         .filter_map(|v| v.as_str().map(str::to_string))
         .collect();
-    let (mut libs, mut files) = (Vec::new(), Vec::new());
+    let (mut libs, mut links, mut files) = (0, Vec::new(), Vec::new());
     for m in list("mounts") {
         let c = s(&m, "containerPath");
-        match c.rsplit_once('/') {
-            Some((_, name)) if name.starts_with("lib") && name.contains(".so") => {
-                libs.push(name.to_string())
-            }
-            _ => files.push(c),
+        let name = c
+            .rsplit_once('/')
+            .map_or(c.as_str(), |(_, n)| n)
+            .to_string();
+        if !(name.starts_with("lib") && name.contains(".so")) {
+            files.push(name);
+        } else if m
+            .get("hostPath")
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|h| h.ends_with(&name))
+        {
+            libs += 1;
+        } else {
+            links.push(name);
         }
     }
     let nodes: Vec<String> = list("deviceNodes").iter().map(|n| s(n, "path")).collect();
@@ -1894,18 +1903,21 @@ fn container_text(edits: &serde_json::Value) -> String {
                 .to_string()
         })
         .collect();
-    let mut out = format!("\n    container gets: env {}", env.join(", "));
-    let _ = write!(out, "\n      libraries {}", libs.join(", "));
-    let _ = write!(out, "\n      files {}", files.join(", "));
-    let none = || "none".to_string();
-    let join = |v: &[String]| if v.is_empty() { none() } else { v.join(", ") };
-    let _ = write!(
-        out,
-        "\n      control devices {}; hooks {}",
+    let join = |v: &[String]| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    format!(
+        "\n    container gets: env {}; devices {}; hooks {}\n      driver: {libs} libraries, also at {}; {}",
+        join(&env),
         join(&nodes),
-        join(&hooks)
-    );
-    out
+        join(&hooks),
+        join(&links),
+        join(&files)
+    )
 }
 
 fn prepared_text(node: &Node, p: &Prepared) -> String {

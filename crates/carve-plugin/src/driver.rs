@@ -982,7 +982,8 @@ impl Driver {
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
-        let nd = if cur.healthy() {
+        let needs_caps = self.gpus.values().any(|g| g.info.mig_capable);
+        let nd = if cur.healthy(needs_caps) {
             cur
         } else {
             let b = self.backend.clone();
@@ -1002,7 +1003,6 @@ impl Driver {
                     .await
                     .map_err(ClaimError::Task)?,
             );
-            let needs_caps = self.gpus.values().any(|g| g.info.mig_capable);
             log_driver(&nd, needs_caps, Some(&cur));
             *self
                 .node_driver

@@ -526,9 +526,10 @@ impl NodeDriver {
     }
 
     /// Whether this discovery is still good: files found and still there,
-    /// caps major found.
-    pub(crate) fn healthy(&self) -> bool {
-        self.files.as_ref().is_ok_and(|f| f.still_there()) && self.caps_major.is_ok()
+    /// and the caps major found where `needs_caps` (a MIG-capable GPU).
+    pub(crate) fn healthy(&self, needs_caps: bool) -> bool {
+        self.files.as_ref().is_ok_and(|f| f.still_there())
+            && (self.caps_major.is_ok() || !needs_caps)
     }
 
     /// The errors, one line each, for the log.

@@ -582,3 +582,31 @@ async fn no_nvidia_caps_in_the_devices_file_fails_each_mig_prepare_naming_the_fi
     assert!(live(&*node.backend(), 0).is_empty(), "no GPU instance made");
     assert!(node.cdi_files().is_empty(), "no spec written");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_the_driver_gone_keeps_prepared_claims_specs() {
+    let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
+    let api = api().await;
+    let driver = started(&node, node.config.clone(), &api).await;
+    let a = put_device_claim(&api, "a", "u-a", "gpu-0-mig-1g10gb-0");
+    prepared(&driver, &a).await;
+    let spec = node.cdi_files();
+    assert_eq!(spec.len(), 1);
+    let before = std::fs::read(&spec[0]).unwrap();
+    drop(driver);
+    std::fs::remove_file(
+        node.config
+            .driver
+            .container_root
+            .join("usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06"),
+    )
+    .unwrap();
+    // The plugin starts; the prepared claim's spec stays as written.
+    let driver = started(&node, node.config.clone(), &api).await;
+    assert_eq!(node.cdi_files(), spec);
+    assert_eq!(std::fs::read(&spec[0]).unwrap(), before);
+    // The claim answers from the checkpoint; its unprepare works.
+    prepared(&driver, &a).await;
+    unprepared(&driver, &a).await;
+    assert!(node.cdi_files().is_empty());
+}

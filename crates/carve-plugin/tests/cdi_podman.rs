@@ -16,6 +16,10 @@
 //! `--cdi-spec-dir`), and where, on a host with hybrid cgroups, the cgroup v2
 //! mount is unmounted so crun uses cgroup v1.
 //!
+//! With `--nvidia-cdi-hook` the spec's hooks are run by crun; the hook is a
+//! stand-in written from the Container Toolkit's documented interface (see
+//! [`HOOK_PY`]), since the toolkit is not packaged in Debian.
+//!
 //! Needs root (mknod, mounts, rootful podman) and podman: skipped, saying
 //! why, where either is missing, except on CI (`CI=true`), where it fails.
 
@@ -609,4 +613,101 @@ async fn a_restart_with_the_driver_gone_keeps_prepared_claims_specs() {
     prepared(&driver, &a).await;
     unprepared(&driver, &a).await;
     assert!(node.cdi_files().is_empty());
+}
+
+/// A stand-in for the Container Toolkit's `nvidia-cdi-hook`, written from its
+/// documented interface (cmd/nvidia-cdi-hook/README.md of
+/// NVIDIA/nvidia-container-toolkit, and the hook entries `nvidia-ctk cdi
+/// generate` writes): an OCI `createContainer` hook that reads the container
+/// state on stdin, finds the root filesystem from the bundle's config.json,
+/// and for `create-symlinks --link TARGET::LINK` makes each link inside it,
+/// for `update-ldcache --folder DIR` runs ldconfig on that root (which makes
+/// the soname links and the cache), and accepts `enable-cuda-compat
+/// --host-driver-version=V` and `disable-device-node-modification` without
+/// doing anything here (no CUDA compat libraries, no params file in this
+/// root). Any other subcommand or flag fails the hook, and so the container.
+const HOOK_PY: &str = r#"#!/usr/bin/env python3
+import json, os, subprocess, sys
+args = sys.argv[1:]
+state = json.load(sys.stdin)
+with open(os.path.join(state["bundle"], "config.json")) as f:
+    cfg = json.load(f)
+root = cfg["root"]["path"]
+if not os.path.isabs(root):
+    root = os.path.join(state["bundle"], root)
+# A hook gets only the spec's environment: the log goes beside the script.
+log = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook.log"), "a")
+log.write(" ".join(args) + "\n")
+cmd, rest = args[0], args[1:]
+if cmd == "create-symlinks":
+    while rest:
+        if rest[0] != "--link" or len(rest) < 2 or "::" not in rest[1]:
+            sys.exit("create-symlinks: bad arguments %r" % rest)
+        target, link = rest[1].split("::", 1)
+        path = os.path.join(root, link.lstrip("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not os.path.lexists(path):
+            os.symlink(target, path)
+        rest = rest[2:]
+elif cmd == "update-ldcache":
+    folders = []
+    while rest:
+        if rest[0] != "--folder" or len(rest) < 2:
+            sys.exit("update-ldcache: bad arguments %r" % rest)
+        folders.append(rest[1])
+        rest = rest[2:]
+    os.makedirs(os.path.join(root, "etc"), exist_ok=True)
+    subprocess.run(["ldconfig", "-r", root] + folders, check=True)
+elif cmd == "enable-cuda-compat":
+    if len(rest) != 1 or not rest[0].startswith("--host-driver-version="):
+        sys.exit("enable-cuda-compat: bad arguments %r" % rest)
+elif cmd == "disable-device-node-modification":
+    if rest:
+        sys.exit("disable-device-node-modification: bad arguments %r" % rest)
+else:
+    sys.exit("unknown command " + cmd)
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_nvidia_cdi_hook_the_loader_finds_the_driver_through_the_hooks() {
+    if unable().is_some() {
+        return;
+    }
+    let rootfs = Rootfs::build();
+    let mut node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
+    let hook = node.dir.path().join("nvidia-cdi-hook");
+    std::fs::write(&hook, HOOK_PY).unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let hook_log = node.dir.path().join("hook.log");
+    node.config.driver.nvidia_cdi_hook = Some(hook.clone());
+    let api = api().await;
+    let driver = started(&node, node.config.clone(), &api).await;
+    let spec = {
+        let c = put_device_claim(&api, "mig", "u-mig", "gpu-0-mig-1g10gb-0");
+        let devs = prepared(&driver, &c).await;
+        (c, devs)
+    };
+    // No soname mounts: only the hooks can make libcuda.so.1 resolvable.
+    let cdi = carve_plugin::CdiSpec::read(&node.cdi_files()[0]).unwrap();
+    let common = cdi.container_edits.unwrap();
+    assert!(
+        !common
+            .mounts
+            .iter()
+            .any(|m| m.container_path.ends_with("/libcuda.so.1")),
+        "{common:?}"
+    );
+    let sonames = vec!["libcuda.so.1".to_string(), "libnvidia-ml.so.1".to_string()];
+    let s = run(&rootfs, &node, &ids(&spec.1), &probe_args(&sonames));
+    check_driver(&s, &sonames);
+    let log = std::fs::read_to_string(&hook_log).unwrap();
+    for cmd in [
+        "create-symlinks --link",
+        "enable-cuda-compat --host-driver-version=580.65.06",
+        "update-ldcache --folder /usr/lib/x86_64-linux-gnu",
+        "disable-device-node-modification",
+    ] {
+        assert!(log.lines().any(|l| l.starts_with(cmd)), "{cmd}: {log}");
+    }
+    unprepared(&driver, &spec.0).await;
 }

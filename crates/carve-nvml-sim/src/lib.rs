@@ -23,9 +23,13 @@
 //! [`SimConfig::events_file`]; an event set sees only events injected after it
 //! was created. GPUs listed in `eventsUnsupported` do not support events.
 //!
+//! [`driver_root`] writes a fake NVIDIA driver root and `/proc/devices` for a
+//! simulated node (what the kubelet plugin's CDI specs mount into containers).
+//!
 //! It is not NVML: no telemetry, no processes, no vGPU, no real UUIDs.
 
 mod config;
+pub mod driver_root;
 mod events;
 mod ffi;
 mod sim;

@@ -26,6 +26,10 @@ pub struct CdiSpec {
     pub kind: String,
     /// Devices.
     pub devices: Vec<CdiDevice>,
+    /// Edits applied when any device of the spec is requested: the driver's
+    /// libraries, utilities, control nodes, hooks and environment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_edits: Option<ContainerEdits>,
 }
 
 /// One device of a spec.
@@ -48,9 +52,31 @@ pub struct ContainerEdits {
     /// Device nodes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub device_nodes: Vec<DeviceNode>,
-    /// Bind mounts (an MPS share's pipe directory).
+    /// Bind mounts (driver files, an MPS share's pipe directory).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<Mount>,
+    /// OCI hooks (the Container Toolkit's `nvidia-cdi-hook`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
+}
+
+/// An OCI hook.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Hook {
+    /// `createRuntime`, `createContainer`, `startContainer`, `poststart`, `poststop`.
+    pub hook_name: String,
+    /// Absolute host path of the program.
+    pub path: String,
+    /// Arguments, `argv[0]` first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// `NAME=VALUE` entries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    /// Seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<i64>,
 }
 
 /// A mount.
@@ -66,12 +92,44 @@ pub struct Mount {
     pub options: Vec<String>,
 }
 
-/// A device node.
+/// A device node. With `type` and `major` set the runtime creates the node
+/// from these numbers; with the path alone it copies them from the host's node
+/// at `hostPath` (else `path`), and fails where that node does not exist.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeviceNode {
-    /// Path in the container (and on the host).
+    /// Path in the container.
     pub path: String,
+    /// Path on the host, where it differs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    /// `c` for a character device.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub dev_type: Option<String>,
+    /// Major number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub major: Option<i64>,
+    /// Minor number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<i64>,
+    /// Permission bits of the node in the container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_mode: Option<u32>,
+}
+
+impl DeviceNode {
+    /// A node given by its path alone.
+    #[must_use]
+    pub fn path(path: String) -> Self {
+        Self {
+            path,
+            host_path: None,
+            dev_type: None,
+            major: None,
+            minor: None,
+            file_mode: None,
+        }
+    }
 }
 
 /// Writing or removing a CDI spec failed.
@@ -127,35 +185,23 @@ pub(crate) fn qualified(name: &str) -> String {
     format!("{CDI_KIND}={name}")
 }
 
-/// Container edits for a device: the control nodes, the GPU node, the MIG
-/// capability nodes, and the visible-device environment.
-pub(crate) fn edits(
-    uuid: &str,
-    gpu_minor: u32,
-    cap_minors: &[u32],
+/// Container edits of one device: its GPU node, its MIG capability nodes,
+/// and `extra_env` (`NVIDIA_DRIVER_CAPABILITIES` from the claim's config). No
+/// visible-device variables: two devices' variables would overwrite each
+/// other in one container, and CUDA enumerates the devices whose nodes the
+/// container has.
+pub(crate) fn device_edits(
+    gpu_node: DeviceNode,
+    cap_nodes: Vec<DeviceNode>,
     extra_env: Option<String>,
 ) -> ContainerEdits {
-    let mut device_nodes: Vec<DeviceNode> = [
-        "/dev/nvidiactl".to_string(),
-        "/dev/nvidia-uvm".into(),
-        "/dev/nvidia-uvm-tools".into(),
-        format!("/dev/nvidia{gpu_minor}"),
-    ]
-    .into_iter()
-    .map(|path| DeviceNode { path })
-    .collect();
-    device_nodes.extend(cap_minors.iter().map(|m| DeviceNode {
-        path: format!("/dev/nvidia-caps/nvidia-cap{m}"),
-    }));
-    let mut env = vec![
-        format!("NVIDIA_VISIBLE_DEVICES={uuid}"),
-        format!("CUDA_VISIBLE_DEVICES={uuid}"),
-    ];
-    env.extend(extra_env);
+    let mut device_nodes = vec![gpu_node];
+    device_nodes.extend(cap_nodes);
     ContainerEdits {
-        env,
+        env: extra_env.into_iter().collect(),
         device_nodes,
         mounts: Vec::new(),
+        hooks: Vec::new(),
     }
 }
 
@@ -170,13 +216,14 @@ pub(crate) fn add_share(e: &mut ContainerEdits, share: &carve_mps::ShareEdits) {
 }
 
 impl CdiSpec {
-    /// A claim spec with these devices.
+    /// A claim spec with these devices and spec-level edits.
     #[must_use]
-    pub fn new(devices: Vec<CdiDevice>) -> Self {
+    pub fn new(devices: Vec<CdiDevice>, common: ContainerEdits) -> Self {
         Self {
             cdi_version: CDI_VERSION.into(),
             kind: CDI_KIND.into(),
             devices,
+            container_edits: Some(common),
         }
     }
 
@@ -217,26 +264,29 @@ mod tests {
 
     #[test]
     fn mig_edits_and_names() {
-        let e = edits("MIG-abc", 3, &[31, 32], None);
+        let e = device_edits(
+            DeviceNode::path("/dev/nvidia3".into()),
+            vec![
+                crate::driver_root::cap_node(236, 31, 0o444),
+                crate::driver_root::cap_node(236, 32, 0o444),
+            ],
+            None,
+        );
         let paths: Vec<_> = e.device_nodes.iter().map(|d| d.path.as_str()).collect();
         assert_eq!(
             paths,
             [
-                "/dev/nvidiactl",
-                "/dev/nvidia-uvm",
-                "/dev/nvidia-uvm-tools",
                 "/dev/nvidia3",
                 "/dev/nvidia-caps/nvidia-cap31",
                 "/dev/nvidia-caps/nvidia-cap32"
             ]
         );
+        let v = serde_json::to_value(&e.device_nodes[1]).unwrap();
         assert_eq!(
-            e.env,
-            [
-                "NVIDIA_VISIBLE_DEVICES=MIG-abc",
-                "CUDA_VISIBLE_DEVICES=MIG-abc"
-            ]
+            v,
+            serde_json::json!({"path": "/dev/nvidia-caps/nvidia-cap31", "type": "c", "major": 236, "minor": 31, "fileMode": 292})
         );
+        assert!(e.env.is_empty());
         let n = device_name("0f7c-11", "gpu-0-mig-1g10gb-3").unwrap();
         assert_eq!(
             qualified(&n),
@@ -247,17 +297,34 @@ mod tests {
 
     #[test]
     fn spec_json_shape_and_roundtrip() {
-        let s = CdiSpec::new(vec![CdiDevice {
-            name: "u-gpu-0".into(),
-            container_edits: edits("GPU-1", 0, &[], None),
-        }]);
+        let common = ContainerEdits {
+            env: vec!["NVIDIA_VISIBLE_DEVICES=void".into()],
+            device_nodes: vec![DeviceNode::path("/dev/nvidiactl".into())],
+            ..ContainerEdits::default()
+        };
+        let s = CdiSpec::new(
+            vec![CdiDevice {
+                name: "u-gpu-0".into(),
+                container_edits: device_edits(
+                    DeviceNode::path("/dev/nvidia0".into()),
+                    vec![],
+                    None,
+                ),
+            }],
+            common,
+        );
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["cdiVersion"], "0.5.0");
         assert_eq!(v["kind"], "k8s.gpu.carve.dev/claim");
         assert_eq!(
             v["devices"][0]["containerEdits"]["deviceNodes"][0]["path"],
+            "/dev/nvidia0"
+        );
+        assert_eq!(
+            v["containerEdits"]["deviceNodes"][0]["path"],
             "/dev/nvidiactl"
         );
+        assert_eq!(v["containerEdits"]["env"][0], "NVIDIA_VISIBLE_DEVICES=void");
         let d = tempfile::tempdir().unwrap();
         let p = claim_spec_path(d.path(), "u");
         s.write(&p, None).unwrap();

@@ -112,6 +112,9 @@ pub struct PluginConfig {
     /// MPS sharing: how to run control daemons and what this node enforces
     /// (detected once at start). `None`: MPS devices are refused at prepare.
     pub mps: Option<MpsSetup>,
+    /// The NVIDIA driver containers get (driver roots, the hook, the device
+    /// files); see [`crate::DriverRootConfig`].
+    pub driver: crate::driver_root::DriverRootConfig,
 }
 
 /// MPS on this node.
@@ -149,6 +152,7 @@ impl PluginConfig {
             write_fault: None,
             metrics: None,
             mps: None,
+            driver: crate::driver_root::DriverRootConfig::default(),
         }
     }
 

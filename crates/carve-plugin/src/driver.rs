@@ -26,6 +26,7 @@ use crate::config::{
     ConfigError, GpuPolicy, MpsSetup, PluginConfig, Retry, capabilities_env,
     effective_capabilities, effective_mps, parse_configs,
 };
+use crate::driver_root::{DriverRootError, NodeDriver};
 use crate::error::PluginError;
 
 /// Why one claim could not be prepared or unprepared. Reported in that claim's
@@ -256,6 +257,10 @@ pub enum ClaimError {
     /// The CDI spec could not be written or removed.
     #[error(transparent)]
     Cdi(#[from] CdiError),
+    /// The NVIDIA driver's files or device numbers a container needs were not
+    /// found (nothing was changed for the claim).
+    #[error("containers cannot get the NVIDIA driver: {0}")]
+    Driver(#[from] Arc<DriverRootError>),
     /// A blocking task failed.
     #[error("blocking task: {0}")]
     Task(String),
@@ -418,6 +423,9 @@ pub struct Driver {
     status_writes: std::sync::Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
     /// Claim GETs and status PATCHes in flight at once ([`API_CONCURRENCY`]).
     api_calls: Arc<tokio::sync::Semaphore>,
+    /// The NVIDIA driver's files, as the last discovery found them
+    /// ([`Driver::node_driver`]).
+    node_driver: std::sync::RwLock<Arc<NodeDriver>>,
 }
 
 /// Claim reads and status writes in flight at once. The kube client opens one
@@ -441,6 +449,28 @@ impl std::fmt::Debug for Driver {
             .field("gpus", &self.gpus.len())
             .field("boot_id", &self.boot_id)
             .finish_non_exhaustive()
+    }
+}
+
+/// Log what a driver discovery could not find: once per distinct problem
+/// (`before`: the previous discovery, whose problems were logged already);
+/// the caps major only where some GPU is MIG-capable.
+fn log_driver(nd: &NodeDriver, needs_caps: bool, before: Option<&NodeDriver>) {
+    let old = before.map(NodeDriver::problems).unwrap_or_default();
+    if let Err(e) = &nd.files {
+        if !old.contains(&e.to_string()) {
+            tracing::error!(error = %e, "containers cannot get the NVIDIA driver: every prepare fails until it is found");
+        }
+    } else if let (Ok(f), Some(b)) = (&nd.files, before)
+        && b.files.as_ref().map_or(true, |o| o.version != f.version)
+    {
+        tracing::info!(version = %f.version, libraries = %f.lib_dir, "NVIDIA driver found");
+    }
+    if needs_caps
+        && let Err(e) = &nd.caps_major
+        && !old.contains(&e.to_string())
+    {
+        tracing::error!(error = %e, "MIG devices cannot be given to containers: every MIG prepare fails until it is found");
     }
 }
 
@@ -612,7 +642,13 @@ impl Driver {
             })?
             .trim()
             .to_string();
+        let gpus: BTreeMap<u32, Arc<Gpu>> = gpus;
+        let version = gpus.values().next().map(|g| g.info.driver_version.clone());
+        let needs_caps = gpus.values().any(|g| g.info.mig_capable);
+        let node_driver = NodeDriver::discover(&config.driver, version.as_deref());
+        log_driver(&node_driver, needs_caps, None);
         Ok(Self {
+            node_driver: std::sync::RwLock::new(Arc::new(node_driver)),
             config: Arc::new(config),
             backend,
             client,
@@ -887,7 +923,16 @@ impl Driver {
             .collect()
     }
 
-    fn cdi_spec_for(rec: &ClaimRecord) -> Result<CdiSpec, CdiError> {
+    /// The claim's CDI spec: the driver's files once (spec level), each
+    /// device's nodes (the GPU node, for MIG the GI and CI capability nodes
+    /// with the `nvidia-caps` major and the capability files' mode), MPS
+    /// share edits per share.
+    fn cdi_spec_for(
+        rec: &ClaimRecord,
+        nd: &NodeDriver,
+        proc_driver_nvidia: &std::path::Path,
+    ) -> Result<CdiSpec, ClaimError> {
+        let files = nd.files.clone()?;
         let mut devs = Vec::new();
         let mut seen = BTreeSet::new();
         for d in &rec.devices {
@@ -895,18 +940,26 @@ impl Driver {
             if !seen.insert(name.clone()) {
                 continue;
             }
-            let (uuid, caps) = match &d.kind {
-                PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. } => {
-                    (d.gpu_uuid.clone(), Vec::new())
+            let mut caps = Vec::new();
+            if let PreparedKind::Mig {
+                gi, ci, cap_minors, ..
+            } = &d.kind
+                && !cap_minors.is_empty()
+            {
+                let major = nd.caps_major.clone()?;
+                let gi = gi.unwrap_or_default();
+                for (minor, ci) in cap_minors.iter().zip([None, *ci]) {
+                    let mode =
+                        crate::driver_root::cap_mode(proc_driver_nvidia, d.gpu_minor, gi, ci)
+                            .map_err(Arc::new)?;
+                    caps.push(crate::driver_root::cap_node(major, *minor, mode));
                 }
-                PreparedKind::Mig {
-                    mig_uuid,
-                    cap_minors,
-                    ..
-                } => (mig_uuid.clone().unwrap_or_default(), cap_minors.clone()),
-            };
-            let mut container_edits =
-                cdi::edits(&uuid, d.gpu_minor, &caps, d.capabilities_env.clone());
+            }
+            let mut container_edits = cdi::device_edits(
+                files.gpu_node(d.gpu_minor),
+                caps,
+                d.capabilities_env.clone(),
+            );
             if let Some(e) = d.kind.mps().and_then(|s| s.edits.as_ref()) {
                 cdi::add_share(&mut container_edits, e);
             }
@@ -915,7 +968,63 @@ impl Driver {
                 container_edits,
             });
         }
-        Ok(CdiSpec::new(devs))
+        Ok(CdiSpec::new(devs, files.common.clone()))
+    }
+
+    /// The node's driver for a prepare: the last discovery while it is
+    /// healthy, else a new one (NVML's driver version read again). An error
+    /// names what is missing when the driver's files are not found, or when
+    /// the claim has MIG devices and the `nvidia-caps` major is not found:
+    /// checked before anything is changed for the claim.
+    async fn node_driver(&self, planned: &[Planned]) -> Result<Arc<NodeDriver>, ClaimError> {
+        let cur = self
+            .node_driver
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let needs_caps = self.gpus.values().any(|g| g.info.mig_capable);
+        let nd = if cur.healthy(needs_caps) {
+            cur
+        } else {
+            let b = self.backend.clone();
+            let version = blocking(move || {
+                b.gpus()
+                    .map(|g| g.first().map(|g| g.driver_version.clone()))
+            })
+            .await
+            .map_err(ClaimError::Task)?
+            .map_err(|source| ClaimError::Backend {
+                op: "read the driver version".into(),
+                source,
+            })?;
+            let cfg = self.config.driver.clone();
+            let nd = Arc::new(
+                blocking(move || NodeDriver::discover(&cfg, version.as_deref()))
+                    .await
+                    .map_err(ClaimError::Task)?,
+            );
+            log_driver(&nd, needs_caps, Some(&cur));
+            *self
+                .node_driver
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = nd.clone();
+            nd
+        };
+        nd.files.clone()?;
+        if planned
+            .iter()
+            .any(|p| matches!(p.record.kind, PreparedKind::Mig { .. }))
+        {
+            nd.caps_major.clone()?;
+        }
+        Ok(nd)
+    }
+
+    fn current_node_driver(&self) -> Arc<NodeDriver> {
+        self.node_driver
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// PCI bus ids by GPU index.
@@ -1070,6 +1179,7 @@ impl Driver {
             });
         }
         let planned = self.plan(&rc)?;
+        self.node_driver(&planned).await?;
         let pods: Vec<String> = rc
             .status
             .as_ref()
@@ -1275,7 +1385,11 @@ impl Driver {
             devices: records,
         };
         let finish = async {
-            let spec = Self::cdi_spec_for(&rec)?;
+            let spec = Self::cdi_spec_for(
+                &rec,
+                &self.current_node_driver(),
+                &self.config.driver.proc_driver_nvidia,
+            )?;
             let path = rec.cdi_spec.clone().unwrap_or_default();
             let fault = self.config.write_fault;
             let mut st = self.state.lock().await;
@@ -2150,9 +2264,21 @@ impl Driver {
 
         // CDI specs: verify or rewrite kept ones, remove every other spec of ours.
         let mut wanted = BTreeSet::new();
+        let nd = self.current_node_driver();
         for rec in body.claims.values_mut() {
             let path = cdi::claim_spec_path(&self.config.cdi_dir, &rec.uid);
-            let spec = Self::cdi_spec_for(rec)?;
+            let spec = match Self::cdi_spec_for(rec, &nd, &self.config.driver.proc_driver_nvidia) {
+                Ok(s) => s,
+                Err(ClaimError::Cdi(e)) => return Err(e.into()),
+                Err(e) => {
+                    // The driver or a capability file is not found now: keep
+                    // the spec written when the claim was prepared.
+                    tracing::error!(claim.uid = %rec.uid, error = %e, "cannot rebuild the claim's CDI spec; keeping the one on disk");
+                    rec.cdi_spec = Some(path.clone());
+                    wanted.insert(path);
+                    continue;
+                }
+            };
             if CdiSpec::read(&path).as_ref() != Some(&spec) {
                 spec.write(&path, self.config.write_fault)?;
                 report.cdi_rewritten.push(rec.uid.clone());
@@ -3306,13 +3432,69 @@ mod tests {
                 capabilities_env: None,
             }],
         };
-        let s = Driver::cdi_spec_for(&rec).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let fake =
+            nvidia_ml_sim::driver_root::write_fake_driver(d.path(), "580.65.06", &[]).unwrap();
+        let access = d.path().join("proc/capabilities/gpu2/mig/gi7");
+        std::fs::create_dir_all(access.join("ci0")).unwrap();
+        std::fs::write(
+            access.join("access"),
+            "DeviceFileMinor: 66\nDeviceFileMode: 292\n",
+        )
+        .unwrap();
+        std::fs::write(
+            access.join("ci0/access"),
+            "DeviceFileMinor: 67\nDeviceFileMode: 256\n",
+        )
+        .unwrap();
+        let cfg = crate::DriverRootConfig {
+            container_root: fake.root.clone(),
+            proc_devices: fake.devices_file.clone(),
+            ..crate::DriverRootConfig::default()
+        };
+        let nd = NodeDriver::discover(&cfg, Some("580.65.06"));
+        let s = Driver::cdi_spec_for(&rec, &nd, &d.path().join("proc")).unwrap();
         assert_eq!(s.devices[0].name, "u-1-gpu-2-mig-1g10gb-3");
+        let e = &s.devices[0].container_edits;
+        assert!(e.env.is_empty(), "no visible-device variables: {:?}", e.env);
+        let caps: Vec<_> = e.device_nodes[1..]
+            .iter()
+            .map(|n| {
+                (
+                    n.path.as_str(),
+                    n.dev_type.as_deref(),
+                    n.major,
+                    n.minor,
+                    n.file_mode,
+                )
+            })
+            .collect();
+        let major = Some(i64::from(nvidia_ml_sim::driver_root::CAPS_MAJOR));
+        assert_eq!(
+            caps,
+            [
+                (
+                    "/dev/nvidia-caps/nvidia-cap66",
+                    Some("c"),
+                    major,
+                    Some(66),
+                    Some(0o444)
+                ),
+                (
+                    "/dev/nvidia-caps/nvidia-cap67",
+                    Some("c"),
+                    major,
+                    Some(67),
+                    Some(0o400)
+                ),
+            ]
+        );
         assert!(
-            s.devices[0]
-                .container_edits
+            s.container_edits
+                .as_ref()
+                .unwrap()
                 .env
-                .contains(&"CUDA_VISIBLE_DEVICES=MIG-7".to_string())
+                .contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string())
         );
         let d = Driver::prepared_devices(&rec);
         assert_eq!(

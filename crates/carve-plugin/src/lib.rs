@@ -23,6 +23,7 @@ mod checkpoint;
 mod claim;
 mod config;
 mod driver;
+mod driver_root;
 mod error;
 mod fsutil;
 pub mod health;
@@ -34,7 +35,7 @@ pub mod testing;
 
 pub use cdi::{
     CDI_KIND, CdiDevice, CdiError, CdiSpec, ContainerEdits as CdiContainerEdits,
-    DeviceNode as CdiDeviceNode, claim_spec_path,
+    DeviceNode as CdiDeviceNode, Hook as CdiHook, Mount as CdiMount, claim_spec_path,
 };
 pub use checkpoint::{
     CHECKPOINT_API_VERSION, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState,
@@ -46,6 +47,7 @@ pub use config::{
     OpaqueConfig, PluginConfig, Retry, WriteFault,
 };
 pub use driver::{API_CONCURRENCY, ClaimError, Driver, RecoveryReport, STATUS_SETTLE};
+pub use driver_root::{DriverFiles, DriverRootConfig, DriverRootError, caps_major, discover};
 pub use error::PluginError;
 pub use metrics::failure_reason;
 pub use server::{Registration, Serving, SocketPaths, run, serve};

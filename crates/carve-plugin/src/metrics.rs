@@ -41,7 +41,7 @@ pub fn failure_reason(e: &ClaimError) -> FailureReason {
         ClaimError::Kube { .. } => FailureReason::KubeApi,
         ClaimError::Checkpoint(_) => FailureReason::Checkpoint,
         ClaimError::Mps { .. } | ClaimError::NoPodCgroup { .. } => FailureReason::Mps,
-        ClaimError::Cdi(_) => FailureReason::Cdi,
+        ClaimError::Cdi(_) | ClaimError::Driver(_) => FailureReason::Cdi,
         ClaimError::Task(_) => FailureReason::Internal,
     }
 }

@@ -131,32 +131,46 @@ async fn every_placement(model: &str, mig_initially: bool) -> usize {
             assert_eq!(cdi.devices.len(), 1);
             assert_eq!(cdi.devices[0].name, cdi_name);
             let e = &cdi.devices[0].container_edits;
+            // Issue 16: no per-device visible-device variables (two devices in
+            // one container would overwrite each other); `void` at spec level.
             assert!(
+                !e.env.iter().any(|v| v.contains("VISIBLE_DEVICES")),
+                "{:?} ({mig_uuid})",
                 e.env
-                    .contains(&format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}"))
             );
-            assert!(e.env.contains(&format!("CUDA_VISIBLE_DEVICES={mig_uuid}")));
+            let common = cdi.container_edits.as_ref().expect("spec-level edits");
+            assert!(
+                common
+                    .env
+                    .contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string())
+            );
+            assert!(
+                common
+                    .mounts
+                    .iter()
+                    .any(|m| m.container_path.ends_with("/libcuda.so.1"))
+            );
             let nodes: Vec<&str> = e.device_nodes.iter().map(|d| d.path.as_str()).collect();
-            assert_eq!(
-                &nodes[..4],
-                [
-                    "/dev/nvidiactl",
-                    "/dev/nvidia-uvm",
-                    "/dev/nvidia-uvm-tools",
-                    "/dev/nvidia0"
-                ]
-            );
+            // The control nodes are spec-level edits now.
+            assert_eq!(&nodes[..1], ["/dev/nvidia0"]);
             let gi = gis[0].id;
             let ci = gis[0].compute_instances[0].id;
             let gi_cap = p.backend.capability_minor(0, gi, None).unwrap();
             let ci_cap = p.backend.capability_minor(0, gi, Some(ci)).unwrap();
             assert_eq!(
-                &nodes[4..],
+                &nodes[1..],
                 [
                     format!("/dev/nvidia-caps/nvidia-cap{gi_cap}"),
                     format!("/dev/nvidia-caps/nvidia-cap{ci_cap}")
                 ]
             );
+            for n in &e.device_nodes[1..] {
+                assert_eq!(n.dev_type.as_deref(), Some("c"), "{n:?}");
+                assert_eq!(
+                    n.major,
+                    Some(i64::from(nvidia_ml_sim::driver_root::CAPS_MAJOR))
+                );
+            }
 
             unprepare_ok(&p.kubelet, &c).await;
             assert!(
@@ -466,8 +480,7 @@ async fn whole_gpu_and_opaque_config() {
     assert_eq!(devs[0].device_name, "gpu-1");
     let spec = CdiSpec::read(&claim_spec_path(&node.config.cdi_dir, "u-w")).unwrap();
     let e = &spec.devices[0].container_edits;
-    let uuid = p.backend.gpus().unwrap()[1].uuid.clone();
-    assert!(e.env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid}")));
+    assert_eq!(e.device_nodes[0].path, "/dev/nvidia1");
     assert!(
         e.env
             .contains(&"NVIDIA_DRIVER_CAPABILITIES=compute".to_string()),

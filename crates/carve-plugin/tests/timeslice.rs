@@ -42,9 +42,14 @@ async fn claims_share_a_time_sliced_gpu_and_exclude_other_uses() {
         let spec = CdiSpec::read(&claim_spec_path(&node.config.cdi_dir, &claim.uid)).unwrap();
         assert_eq!(spec.devices.len(), 1);
         let env = &spec.devices[0].container_edits.env;
+        // The whole GPU's node (issue 16: no per-device visible-device variables).
+        assert_eq!(
+            spec.devices[0].container_edits.device_nodes[0].path,
+            "/dev/nvidia0"
+        );
         assert!(
-            env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid0}")),
-            "{env:?}"
+            !env.iter().any(|e| e.contains("VISIBLE_DEVICES")),
+            "{env:?} ({uuid0})"
         );
         assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS")), "{env:?}");
     }

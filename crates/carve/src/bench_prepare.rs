@@ -327,7 +327,18 @@ impl BenchNode {
         let sidecar = PathBuf::from(side);
         sim.to_file(&sidecar)?;
         std::fs::write(d.join("boot_id"), "bench-boot\n").context("writing boot id")?;
+        // The driver files the CDI specs name (a fake driver root).
+        let driver = nvidia_ml_sim::driver_root::write_fake_driver(
+            d,
+            &sim.driver_version,
+            &(0..gpus).collect::<Vec<_>>(),
+        )
+        .context("writing the fake NVIDIA driver root")?;
         let mut c = PluginConfig::new(NODE);
+        c.driver.container_root.clone_from(&driver.root);
+        c.driver.host_root = driver.root;
+        c.driver.proc_devices = driver.devices_file;
+        c.driver.proc_driver_nvidia.clone_from(&sim.proc_root);
         c.plugins_registry_dir = d.join("registry");
         c.plugin_dir = d.join("plugins");
         c.cdi_dir = cdi.path().to_path_buf();
@@ -960,6 +971,9 @@ impl Plugin {
             .args(["--cdi-dir", &s(&c.cdi_dir)])
             .args(["--state-dir", &s(&node.dir.path().join("state"))])
             .args(["--proc-driver-nvidia", &s(&node.sim.proc_root)])
+            .args(["--container-driver-root", &s(&c.driver.container_root)])
+            .args(["--host-driver-root", &s(&c.driver.host_root)])
+            .args(["--proc-devices", &s(&c.driver.proc_devices)])
             .args(["--nvml-lib", &s(&node.lib)])
             .args(["--kube-api-url", api_url])
             .args(["--metrics-addr", "127.0.0.1:0"])

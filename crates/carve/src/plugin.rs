@@ -85,6 +85,25 @@ pub struct PluginArgs {
     /// How often the slices are re-checked against the API server (seconds).
     #[arg(long, default_value_t = 60)]
     pub resync_seconds: u64,
+    /// The NVIDIA driver's root as this process sees it: its libraries,
+    /// utilities, firmware and sockets go into every claim's CDI spec (the GPU
+    /// Operator's driver container: mount `/run/nvidia/driver` here).
+    #[arg(long, default_value = "/")]
+    pub container_driver_root: PathBuf,
+    /// The same driver root on the host, written into the CDI specs (the
+    /// container runtime reads them on the host): `/` or `/run/nvidia/driver`.
+    #[arg(long, default_value = "/")]
+    pub host_driver_root: PathBuf,
+    /// Host path of the NVIDIA Container Toolkit's `nvidia-cdi-hook`: specs
+    /// then run its create-symlinks, update-ldcache, enable-cuda-compat and
+    /// disable-device-node-modification hooks. Without it each driver library
+    /// is also mounted at its soname path (`libcuda.so.1`, ...).
+    #[arg(long)]
+    pub nvidia_cdi_hook: Option<PathBuf>,
+    /// The node's `/proc/devices` (the `nvidia-caps` major of the MIG
+    /// capability device nodes).
+    #[arg(long, default_value = "/proc/devices")]
+    pub proc_devices: PathBuf,
     /// File with the node's boot id.
     #[arg(long, default_value = "/proc/sys/kernel/random/boot_id", hide = true)]
     pub boot_id_path: PathBuf,
@@ -324,6 +343,17 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
             args.registry_dir.display()
         );
     }
+    // CDI requires absolute host paths.
+    for (flag, p) in [
+        ("--host-driver-root", Some(&args.host_driver_root)),
+        ("--nvidia-cdi-hook", args.nvidia_cdi_hook.as_ref()),
+    ] {
+        if let Some(p) = p
+            && !p.is_absolute()
+        {
+            bail!("{flag} {}: must be an absolute host path", p.display());
+        }
+    }
     // MPS flags and support before anything is created (detection fails
     // first on a missing control binary).
     let mps = mps_setup(&args)?;
@@ -427,6 +457,13 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         cfg.gc_interval = (args.gc_interval_seconds > 0).then(|| Duration::from_secs(args.gc_interval_seconds));
         cfg.metrics = Some(metrics.clone());
         cfg.mps = mps;
+        cfg.driver = carve_plugin::DriverRootConfig {
+            container_root: args.container_driver_root.clone(),
+            host_root: args.host_driver_root.clone(),
+            nvidia_cdi_hook: args.nvidia_cdi_hook.clone(),
+            proc_devices: args.proc_devices.clone(),
+            proc_driver_nvidia: args.nvml.proc_driver_nvidia.clone(),
+        };
 
         let driver = Arc::new(carve_plugin::Driver::new(cfg, backend, client).await?);
         let report = driver.recover().await?;

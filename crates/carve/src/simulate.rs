@@ -520,6 +520,9 @@ struct Node {
     fake_mps: PathBuf,
     /// The fake cgroup v2 root (`--cgroup-root`), with the made-up pods' cgroups.
     cgroup_root: PathBuf,
+    /// The fake driver root and `/proc/devices` (`--container-driver-root`,
+    /// `--proc-devices`).
+    driver: nvidia_ml_sim::driver_root::FakeDriver,
     /// MPS daemons seen during the run: unit, identity.
     daemons_seen: Mutex<BTreeSet<(String, u32, u64)>>,
 }
@@ -563,6 +566,11 @@ impl Node {
             specs.extend(std::iter::repeat_n(spec, *count as usize));
         }
         let sim = SimConfig::new(NODE, entries, &sim_dir);
+        // What a node's driver root and /proc/devices hold, for the specs.
+        let minors: Vec<u32> = (0..u32::try_from(specs.len()).unwrap_or(0)).collect();
+        let driver =
+            nvidia_ml_sim::driver_root::write_fake_driver(&root, &sim.driver_version, &minors)
+                .context("writing the fake NVIDIA driver root")?;
         let mig_at_start = sim.initial_mig();
         let mut cfg = nvml_lib.as_os_str().to_owned();
         cfg.push(nvidia_ml_sim::SIDECAR_SUFFIX);
@@ -582,6 +590,7 @@ impl Node {
             models: models.to_vec(),
             fake_mps,
             cgroup_root,
+            driver,
             daemons_seen: Mutex::new(BTreeSet::new()),
         })
     }
@@ -620,6 +629,9 @@ impl Node {
         arg("--cdi-dir", self.cdi_dir.as_os_str());
         arg("--state-dir", self.state_dir.as_os_str());
         arg("--proc-driver-nvidia", self.sim.proc_root.as_os_str());
+        arg("--container-driver-root", self.driver.root.as_os_str());
+        arg("--host-driver-root", self.driver.root.as_os_str());
+        arg("--proc-devices", self.driver.devices_file.as_os_str());
         arg("--nvml-lib", self.nvml_lib.as_os_str());
         arg("--kube-api-url", api_url.as_ref());
         arg("--metrics-addr", "127.0.0.1:0".as_ref());
@@ -1835,8 +1847,101 @@ async fn delete_claim(api: &Api<ResourceClaim>, c: &SourcedClaim) -> anyhow::Res
     Ok(())
 }
 
+/// The claim's CDI spec file as JSON, if readable.
+fn claim_spec(node: &Node, uid: &str) -> Option<serde_json::Value> {
+    let b = std::fs::read(carve_plugin::claim_spec_path(&node.cdi_dir, uid)).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
+/// The container edits of CDI device `id` in `spec`.
+fn device_edits_of<'a>(
+    spec: Option<&'a serde_json::Value>,
+    id: &str,
+) -> Option<&'a serde_json::Value> {
+    let name = id.rsplit_once('=').map_or(id, |(_, n)| n);
+    spec?
+        .get("devices")?
+        .as_array()?
+        .iter()
+        .find(|d| d.get("name").and_then(serde_json::Value::as_str) == Some(name))?
+        .get("containerEdits")
+}
+
+/// What every container of the claim gets from the spec's common edits: the
+/// environment, the driver files by container path (libraries by name), the
+/// control nodes and hooks.
+fn container_text(edits: &serde_json::Value) -> String {
+    let list = |k: &str| {
+        edits
+            .get(k)
+            .and_then(serde_json::Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let s = |v: &serde_json::Value, f: &str| {
+        v.get(f)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("?")
+            .to_string()
+    };
+    let env: Vec<String> = list("env")
+        .iter()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect();
+    let (mut libs, mut links, mut files) = (0, Vec::new(), Vec::new());
+    for m in list("mounts") {
+        let c = s(&m, "containerPath");
+        let name = c
+            .rsplit_once('/')
+            .map_or(c.as_str(), |(_, n)| n)
+            .to_string();
+        if !(name.starts_with("lib") && name.contains(".so")) {
+            files.push(name);
+        } else if m
+            .get("hostPath")
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|h| h.ends_with(&name))
+        {
+            libs += 1;
+        } else {
+            links.push(name);
+        }
+    }
+    let nodes: Vec<String> = list("deviceNodes").iter().map(|n| s(n, "path")).collect();
+    let hooks: Vec<String> = list("hooks")
+        .iter()
+        .map(|h| {
+            h.get("args")
+                .and_then(serde_json::Value::as_array)
+                .and_then(|a| a.get(1))
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("?")
+                .to_string()
+        })
+        .collect();
+    let join = |v: &[String]| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    format!(
+        "\n    container gets: env {}; devices {}; hooks {}\n      driver: {libs} libraries, also at {}; {}",
+        join(&env),
+        join(&nodes),
+        join(&hooks),
+        join(&links),
+        join(&files)
+    )
+}
+
 fn prepared_text(node: &Node, p: &Prepared) -> String {
     let mut out = format!("- {}: allocated and prepared", p.source.label());
+    let spec = claim_spec(node, &p.uid);
+    if let Some(common) = spec.as_ref().and_then(|v| v.get("containerEdits")) {
+        out.push_str(&container_text(common));
+    }
     for d in &p.devices {
         let _ = write!(out, "\n    request {} -> {}", d.request, d.device);
         let str_of = |k: &str| {
@@ -1904,6 +2009,8 @@ fn prepared_text(node: &Node, p: &Prepared) -> String {
             let _ = write!(out, "\n      CDI {id}");
             if let Some(e) = d.mps.as_ref().and_then(|m| m.cdi_edits.get(id)) {
                 let _ = write!(out, "\n        {e}");
+            } else if let Some(e) = device_edits_of(spec.as_ref(), id) {
+                let _ = write!(out, "\n        {}", describe_edits(node, e));
             }
         }
         for why in d.mps.iter().flat_map(|m| &m.problems) {

@@ -112,3 +112,30 @@ fn mps_flags_are_checked_before_anything_is_created() {
         "nothing is created before the flags are checked"
     );
 }
+
+#[test]
+fn driver_paths_written_into_cdi_specs_must_be_absolute() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flag, value) in [
+        ("--nvidia-cdi-hook", "usr/bin/nvidia-cdi-hook"),
+        ("--host-driver-root", "run/nvidia/driver"),
+    ] {
+        let (code, err) = plugin(&[
+            "--node-name",
+            "n1",
+            "--registry-dir",
+            dir.path().to_str().unwrap(),
+            "--state-dir",
+            dir.path().join("state").to_str().unwrap(),
+            flag,
+            value,
+        ]);
+        assert_ne!(code, 0);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(
+            err.contains(flag) && err.contains(value) && err.contains("absolute"),
+            "{err}"
+        );
+        assert!(!dir.path().join("state").exists());
+    }
+}

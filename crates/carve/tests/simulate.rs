@@ -237,6 +237,25 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
                 .any(|l| l.trim_start().starts_with("CDI k8s.gpu.carve.dev/claim=")),
             "{name}: no CDI id: {b:#?}"
         );
+        // What the container gets (issue 16): the driver from the fake driver
+        // root, the MIG capability nodes per device.
+        assert!(
+            b.iter().any(|l| l
+                .trim_start()
+                .starts_with("container gets: env NVIDIA_VISIBLE_DEVICES=void")),
+            "{name}: {b:#?}"
+        );
+        assert!(
+            b.iter()
+                .any(|l| l.contains("libraries, also at") && l.contains("libcuda.so.1")),
+            "{name}: {b:#?}"
+        );
+        assert!(
+            b.iter()
+                .any(|l| l.trim_start().starts_with("device /dev/nvidia")
+                    && l.contains("/dev/nvidia-caps/nvidia-cap")),
+            "{name}: {b:#?}"
+        );
     }
     let whole = block(&out, "whole-gpu");
     assert!(

@@ -51,8 +51,19 @@ impl Node {
         std::fs::create_dir_all(d.join("sim")).unwrap();
         let lib = d.join("libnvidia_ml_sim.so");
         std::fs::copy(sim_library(), &lib).unwrap();
+        // The fake driver root and /proc/devices that `plugin_config` names.
+        let minors: u32 = sim.gpus.iter().map(|g| g.count).sum();
+        let fake = nvidia_ml_sim::driver_root::write_fake_driver(
+            d,
+            &sim.driver_version,
+            &(0..minors).collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let config = plugin_config(d);
+        assert_eq!(config.driver.container_root, fake.root);
+        assert_eq!(config.driver.proc_driver_nvidia, sim.proc_root);
         let node = Self {
-            config: plugin_config(d),
+            config,
             dir,
             sim,
             lib,
@@ -121,6 +132,12 @@ pub fn plugin_config(d: &Path) -> PluginConfig {
         .join("gpu.carve.dev")
         .join("checkpoint.json");
     c.boot_id_path = d.join("boot_id");
+    // Written by `Node::new` (nvidia_ml_sim::driver_root).
+    c.driver.container_root = d.join("driver");
+    // The plugin runs on the host here: the host sees the root at the same path.
+    c.driver.host_root = d.join("driver");
+    c.driver.proc_devices = d.join("devices");
+    c.driver.proc_driver_nvidia = d.join("sim").join("proc");
     c.gc_interval = None;
     c.unprepare_retry = Retry {
         attempts: 3,

@@ -292,6 +292,10 @@ pub struct SimNode {
     pub sim_config_path: PathBuf,
     /// The simulator configuration.
     pub sim: SimConfig,
+    /// The fake NVIDIA driver root and `/proc/devices` the CDI specs are
+    /// built from (`--container-driver-root`, `--host-driver-root`,
+    /// `--proc-devices`).
+    pub driver: nvidia_ml_sim::driver_root::FakeDriver,
     /// `--kube-api-url`.
     pub api_url: String,
     carve: PathBuf,
@@ -331,9 +335,13 @@ impl SimNode {
         let nvml_lib = lib_dir.join("libnvidia_ml_sim.so");
         let src = sim_library()?;
         std::fs::copy(&src, &nvml_lib).map_err(io("copying the simulator to", &nvml_lib))?;
+        let gpu_count: u32 = gpus.iter().map(|g| g.count).sum();
         let sim = SimConfig::new(node_name, gpus, &sim_dir);
         let sim_config_path = sim_dir.join("config.json");
         sim.to_file(&sim_config_path)?;
+        let minors: Vec<u32> = (0..gpu_count).collect();
+        let driver =
+            nvidia_ml_sim::driver_root::write_fake_driver(&root, &sim.driver_version, &minors)?;
         Ok(Self {
             dir,
             node_name: node_name.into(),
@@ -344,6 +352,7 @@ impl SimNode {
             nvml_lib,
             sim_config_path,
             sim,
+            driver,
             api_url: api_url.into(),
             carve,
             child: None,
@@ -380,6 +389,12 @@ impl SimNode {
             s(&self.state_dir),
             "--proc-driver-nvidia".into(),
             s(&self.sim.proc_root),
+            "--container-driver-root".into(),
+            s(&self.driver.root),
+            "--host-driver-root".into(),
+            s(&self.driver.root),
+            "--proc-devices".into(),
+            s(&self.driver.devices_file),
             "--nvml-lib".into(),
             s(&self.nvml_lib),
             "--kube-api-url".into(),

@@ -108,6 +108,10 @@ pub async fn registration_channel(path: &Path) -> Result<Channel, FakeKubeletErr
     connect(path, Some(grpc_go_authority(path))).await
 }
 
+/// How long [`FakeKubelet::register`] keeps re-dialing a registration socket
+/// that refuses connections.
+const REGISTRATION_DIAL_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A kubelet stand-in holding clients for both DRA versions.
 #[derive(Debug, Clone)]
 pub struct FakeKubelet {
@@ -134,9 +138,20 @@ impl FakeKubelet {
     /// # Errors
     /// Connection or call failures, or an unacceptable `PluginInfo`.
     pub async fn register(reg_socket: &Path, driver: &str) -> Result<Self, FakeKubeletError> {
-        let mut r = reg::registration_client::RegistrationClient::new(
-            registration_channel(reg_socket).await?,
-        );
+        // The kubelet's plugin watcher retries a failed dial (its operation
+        // executor backs off and tries again); a socket seen between its
+        // plugin's bind and listen refuses the first connection.
+        let deadline = std::time::Instant::now() + REGISTRATION_DIAL_RETRY;
+        let channel = loop {
+            match registration_channel(reg_socket).await {
+                Ok(c) => break c,
+                Err(_) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let mut r = reg::registration_client::RegistrationClient::new(channel);
         let info = r
             .get_info(reg::InfoRequest {})
             .await

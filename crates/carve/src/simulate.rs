@@ -68,6 +68,13 @@ const EXPLAIN_LINES: usize = 8;
 /// device order spreads those two over both H100s). The MIG claims fill both
 /// H100s; `whole-gpu`, the two MPS shares (one GPU, one daemon) and
 /// `timeslice` each need a GPU of their own: the A100s.
+/// Built-in examples that stay pending by design, and why: their pending is
+/// the result they show, not a failure of the run.
+const STAYS_PENDING: &[(&str, &str)] = &[(
+    "examples/mps-hard-limit/claim.yaml",
+    "no carve device publishes mpsMemoryLimit hard, so a claim that demands it stays pending",
+)];
+
 const EXAMPLES: &[(&str, &str)] = &[
     (
         "examples/mig-1g/claim.yaml",
@@ -142,6 +149,11 @@ pub struct SimulateArgs {
     /// state, plugin log) and print its path.
     #[arg(long)]
     pub keep: bool,
+    /// Stop once every claim is prepared and keep that state to inspect: the
+    /// GPU instances in the simulator's state, the CDI specs, the checkpoint
+    /// (implies `--keep`; nothing is released, MPS daemons are stopped).
+    #[arg(long)]
+    pub no_release: bool,
     /// Also write the picture of the GPUs as SVG to this file (atomically).
     #[arg(long)]
     pub svg: Option<PathBuf>,
@@ -258,7 +270,8 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
     let exe = std::env::current_exe()
         .context("locating this executable (to run `carve kubelet-plugin`)")?;
     let node = Node::create(&models, &lib, &exe)?;
-    if args.keep {
+    let keep = args.keep || args.no_release;
+    if keep {
         say(&format!(
             "temporary directory (kept): {}",
             node.dir.path().display()
@@ -271,11 +284,26 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
         .context("starting the tokio runtime")?;
     let result = rt.block_on(simulate(args, &node, &set, &exe));
     drop(rt);
-    if args.keep {
+    if keep {
         let path = node.dir.keep();
         say(&format!("kept {}", path.display()));
     }
-    result.map(|()| ExitCode::SUCCESS)
+    result
+}
+
+/// How a run ended: every claim the user asked for prepared (0), or some
+/// did not fit or found no device (1, after everything was released).
+fn exit_code(unplaced: &[String]) -> ExitCode {
+    if unplaced.is_empty() {
+        return ExitCode::SUCCESS;
+    }
+    say("");
+    say(&format!(
+        "not prepared: {} claim(s) did not fit or found no device: {}",
+        unplaced.len(),
+        unplaced.join(", ")
+    ));
+    ExitCode::from(1)
 }
 
 /// Writes a line to stdout; a closed stdout (`| head`) is not an error.
@@ -923,7 +951,7 @@ async fn simulate(
     node: &Node,
     set: &ClaimSet,
     exe: &Path,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<ExitCode> {
     let opts = Options {
         version: args.kube_version,
         ..Options::default()
@@ -947,7 +975,7 @@ async fn with_api(
     node: &Node,
     set: &ClaimSet,
     exe: &Path,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<ExitCode> {
     let client = api.try_client()?;
     let capi: Api<DeviceClass> = Api::all(client.clone());
     for c in &set.classes {
@@ -970,9 +998,17 @@ async fn with_api(
     let mut plugin = Plugin::spawn(exe, node, &api.url(), args)?;
     let result = with_plugin(args, &mut plugin, api, client, node, set).await;
     plugin.stop();
+    if args.no_release {
+        // The prepared state stays for inspection; daemons do not outlive the run.
+        for l in mps_leftovers(node) {
+            say(&format!("stopped: {l}"));
+        }
+        return result;
+    }
     let leftovers = final_check(node);
-    result?;
-    leftovers
+    let code = result?;
+    leftovers?;
+    Ok(code)
 }
 
 /// After the plugin is gone: no GPU instance, no CDI spec and no MPS daemon
@@ -1142,7 +1178,7 @@ async fn with_plugin(
     client: kube::Client,
     node: &Node,
     set: &ClaimSet,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<ExitCode> {
     let socket = node.registration_socket();
     let slices = wait_ready(plugin, &api.store(), &socket).await?;
     let kubelet = FakeKubelet::register(&socket, DRIVER_NAME)
@@ -1160,6 +1196,9 @@ async fn with_plugin(
         kubelet.info.name,
         kubelet.info.supported_versions.join(", ")
     ));
+    for w in plugin_warnings(node) {
+        say(&format!("plugin: {w}"));
+    }
     say("");
     say(&published_text(node, &slices));
     let s = Session {
@@ -1171,14 +1210,27 @@ async fn with_plugin(
     };
     let mut prepared: Vec<Prepared> = Vec::new();
     let mut failures: Vec<String> = Vec::new();
+    let mut unplaced: Vec<String> = Vec::new();
     say("claims, in order:");
-    let mut result = apply_all(&s, &set.claims, &mut prepared, &mut failures).await;
+    let mut result = apply_all(&s, &set.claims, &mut prepared, &mut failures, &mut unplaced).await;
     if result.is_ok() {
         result = show_pictures(args, node, &prepared);
     }
-    let released = release(&s, &prepared).await;
-    result?;
-    released?;
+    if args.no_release {
+        result?;
+        say("");
+        say(&format!(
+            "not released (--no-release): {} claim(s) stay prepared; CDI specs in {}, the checkpoint under {}, GPU instances in {}",
+            prepared.len(),
+            node.cdi_dir.display(),
+            node.dir.path().join("state").display(),
+            node.sim_config_path.display()
+        ));
+    } else {
+        let released = release(&s, &prepared).await;
+        result?;
+        released?;
+    }
     if !failures.is_empty() {
         bail!(
             "{} claim(s) failed: {}",
@@ -1186,7 +1238,26 @@ async fn with_plugin(
             failures.join("; ")
         );
     }
-    Ok(())
+    Ok(exit_code(&unplaced))
+}
+
+/// The plugin's warnings and errors so far (its log), which a user of the
+/// simulation should see, such as a feature gate the Kubernetes version
+/// leaves off by default.
+fn plugin_warnings(node: &Node) -> Vec<String> {
+    std::fs::read_to_string(node.plugin_log())
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(" WARN ").or_else(|| l.split_once(" ERROR "))?;
+            let level = if l.contains(" WARN ") {
+                "warning"
+            } else {
+                "error"
+            };
+            Some(format!("{level}: {}", rest.trim()))
+        })
+        .collect()
 }
 
 /// Published devices per GPU, from the slices read back from the stand-in.
@@ -1195,8 +1266,21 @@ fn published_text(node: &Node, slices: &[ResourceSlice]) -> String {
         .iter()
         .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
         .sum();
+    // The 1.35+ layout puts counter sets in slices of their own.
+    let counters_apart = slices.iter().any(|s| {
+        s.spec
+            .shared_counters
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+            && s.spec.devices.as_ref().is_none_or(Vec::is_empty)
+    });
+    let layout = if counters_apart {
+        "Kubernetes 1.35+ layout: each GPU's counter set in a slice of its own, the devices in others"
+    } else {
+        "Kubernetes 1.34 layout: each GPU's counter set in the slice of the devices that consume it"
+    };
     let mut out = format!(
-        "published: {} ResourceSlice(s), {devices} device(s)",
+        "published: {} ResourceSlice(s), {devices} device(s), {layout}",
         slices.len()
     );
     for g in slices::summarize(slices) {
@@ -1236,6 +1320,7 @@ async fn apply_all(
     claims: &[SourcedClaim],
     prepared: &mut Vec<Prepared>,
     failures: &mut Vec<String>,
+    unplaced: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     for c in claims {
         let allocated: Vec<ResourceClaim> = prepared.iter().map(|p| p.stored.clone()).collect();
@@ -1272,6 +1357,10 @@ async fn apply_all(
                         c.label(),
                         missing.join(", ")
                     ));
+                }
+                match STAYS_PENDING.iter().find(|(src, _)| *src == c.source) {
+                    Some((_, why)) => say(&format!("  (as expected: {why})")),
+                    None => unplaced.push(c.name().to_string()),
                 }
                 continue;
             }

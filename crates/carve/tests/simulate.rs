@@ -4,7 +4,7 @@
 //! binary under that name). Each run gets its own `TMPDIR`, so the tests can
 //! check that nothing is left there and that no process of the run survives it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn carve(args: &[&str], tmp: &Path) -> Output {
@@ -311,12 +311,13 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
 
 #[test]
 fn mig_examples_on_an_l4_are_reported_and_the_whole_gpu_is_prepared() {
-    // Exit 0: claims that find no device are a result, not a failure.
+    // Exit 1 once everything is released: claims the user asked for that find
+    // no device are reported, and the run's status says so (issue 20).
     let tmp = tempfile::tempdir().unwrap();
     let o = carve(&["simulate", "--gpus", "l4:1"], tmp.path());
     let (out, err) = text(&o);
     assert!(
-        o.status.success(),
+        o.status.code() == Some(1) && out.contains("\nnot prepared: "),
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
@@ -377,7 +378,7 @@ fn claims_that_do_not_fit_now_are_explained() {
     );
     let (out, err) = text(&o);
     assert!(
-        o.status.success(),
+        o.status.code() == Some(1) && out.contains("\nnot prepared: "),
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
@@ -410,7 +411,7 @@ fn keep_keeps_the_directory_with_the_plugin_log() {
     let o = carve(&["simulate", "--gpus", "l4:1", "--keep"], tmp.path());
     let (out, err) = text(&o);
     assert!(
-        o.status.success(),
+        o.status.code() == Some(1) && out.contains("\nnot prepared: "),
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
@@ -556,7 +557,7 @@ fn mps_v2_puts_the_limits_in_the_container_environment() {
     );
     let (out, err) = text(&o);
     assert!(
-        o.status.success(),
+        o.status.code() == Some(1) && out.contains("\nnot prepared: "),
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
@@ -801,4 +802,143 @@ fn a_daemon_crash_fails_the_claim_that_hit_it_and_leaves_no_daemon() {
         "{out}"
     );
     assert_nothing_left(tmp.path());
+}
+
+#[test]
+fn the_kube_version_shows_in_the_layout_and_the_gate_warning_in_the_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mig_1g = claims_dir(&["mig-1g"]);
+    let run = |v: &str| {
+        let o = carve(
+            &[
+                "simulate",
+                "--gpus",
+                "h100:1",
+                "--kube-version",
+                v,
+                "--sharing",
+                "none",
+                "--claims",
+                &mig_1g,
+            ],
+            tmp.path(),
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{v}: stdout:\n{out}\nstderr:\n{err}");
+        out
+    };
+    let old = run("1.34");
+    assert!(
+        old.contains("Kubernetes 1.34 layout: each GPU's counter set in the slice of the devices"),
+        "{old}"
+    );
+    let new = run("1.35");
+    assert!(
+        new.contains("Kubernetes 1.35+ layout: each GPU's counter set in a slice of its own"),
+        "{new}"
+    );
+    // With shared devices on 1.35 the plugin warns that consumable capacity
+    // is a gate off by default there: the user sees it, not only plugin.log.
+    let o = carve(
+        &[
+            "simulate",
+            "--gpus",
+            "h100:1",
+            "--kube-version",
+            "1.35",
+            "--sharing",
+            "timeslice",
+            "--claims",
+            &claims_dir(&["whole-gpu"]),
+        ],
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("plugin: warning:") && out.contains("consumable capacity"),
+        "{out}"
+    );
+}
+
+/// A directory holding copies of the named examples' claims.
+fn claims_dir(names: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap().keep();
+    for n in names {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples")
+            .join(n)
+            .join("claim.yaml");
+        std::fs::copy(src, dir.join(format!("{n}.yaml"))).unwrap();
+    }
+    dir.display().to_string()
+}
+
+#[test]
+fn no_release_keeps_the_prepared_state_to_inspect() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = carve(
+        &[
+            "simulate",
+            "--gpus",
+            "h100:1",
+            "--sharing",
+            "none",
+            "--claims",
+            &claims_dir(&["mig-1g"]),
+            "--no-release",
+        ],
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("not released (--no-release): 1 claim(s) stay prepared"),
+        "{out}"
+    );
+    assert!(!out.contains("no GPU instance left"), "{out}");
+    let kept = out
+        .lines()
+        .find_map(|l| l.strip_prefix("kept "))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("{out}"));
+    let specs: Vec<_> = std::fs::read_dir(kept.join("cdi")).unwrap().collect();
+    assert_eq!(specs.len(), 1, "the claim's CDI spec stays: {specs:?}");
+    let state = std::fs::read_to_string(kept.join("sim").join("state.json"))
+        .or_else(|_| {
+            // The simulator's state file, wherever its config puts it.
+            std::fs::read_dir(kept.join("sim"))
+                .unwrap()
+                .filter_map(Result::ok)
+                .find(|e| e.file_name().to_string_lossy().contains("state"))
+                .map(|e| std::fs::read_to_string(e.path()).unwrap())
+                .ok_or(())
+        })
+        .unwrap_or_else(|()| panic!("no simulator state under {}", kept.display()));
+    assert!(
+        state.contains("gpu_instances") || state.contains("gpuInstances"),
+        "{state}"
+    );
+    let _ = std::fs::remove_dir_all(&kept);
+}
+
+#[test]
+fn examples_that_do_not_fit_the_users_node_fail_the_run_with_their_reason() {
+    // The MIG examples name H100 profiles (1g.10gb) that an H200 lacks.
+    let tmp = tempfile::tempdir().unwrap();
+    let o = carve(&["simulate", "--gpus", "h200:8"], tmp.path());
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
+    let b = block(&out, "mig-1g");
+    assert!(
+        b.iter()
+            .any(|l| l.contains("request selector #0 is false") && l.contains("1g.10gb")),
+        "{b:#?}"
+    );
+    assert!(out.contains("\nnot prepared: "), "{out}");
+    assert!(out.contains("mig-1g"), "{out}");
+    // The hard-limit example stays pending by design and is not counted.
+    let tail = out.split("\nnot prepared: ").nth(1).unwrap();
+    assert!(!tail.contains("mps-hard-limit"), "{tail}");
+    assert!(out.contains("no GPU instance left"), "{out}");
 }

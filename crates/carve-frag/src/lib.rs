@@ -14,8 +14,10 @@ pub mod bench;
 pub mod churn;
 pub mod error;
 pub mod mapping;
+pub mod optimum;
 pub mod rng;
 pub mod sim;
+pub mod suite;
 pub mod trace;
 
 pub use bench::{
@@ -24,4 +26,8 @@ pub use bench::{
 pub use churn::{ChurnConfig, ChurnReport, ChurnRow, run_churn};
 pub use error::FragError;
 pub use mapping::{Demand, InternalFrag, Mapper};
-pub use sim::{Policy, Totals};
+pub use optimum::{NodeOptimum, NodeReference, NodeShape};
+pub use sim::{FailCause, Policy, Scoring, Totals};
+pub use suite::{
+    BAND, ClusterRun, ClusterShape, ClusterSummary, SuiteConfig, SuiteReport, run_suite,
+};

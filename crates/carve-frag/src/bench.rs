@@ -892,7 +892,7 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  repack-bound: carve's order while the profile has a free placement on a node; otherwise the node counts as feasible when its live instances plus the new ones pack onto its GPUs (exhaustive search over maximal per-GPU layouts) and is then re-packed (migrations allowed): optimistic per arrival, not a bound over the trajectory"
+            "  repack-heuristic: carve's order while the profile has a free placement on a node; otherwise the node counts as feasible when its live instances plus the new ones pack onto its GPUs (exhaustive search over maximal per-GPU layouts) and the chosen node is then re-packed (migrations allowed). A heuristic, not a bound: it re-packs only the chosen node, only on a miss, and changes which nodes the scheduler finds feasible afterwards"
         )?;
         let mix: Vec<String> = self
             .popularity
@@ -972,7 +972,7 @@ impl fmt::Display for BenchReport {
             if let Some(m) = median(v) {
                 writeln!(
                     f,
-                    "\nrepack-bound re-packed a node {m:.0} times up to arrived 100% (median over seeds)"
+                    "\nrepack-heuristic re-packed a node {m:.0} times up to arrived 100% (median over seeds)"
                 )?;
             }
         }

@@ -146,11 +146,10 @@ impl<'a> NodeOptimum<'a> {
                     .map(|pl| mask(pl.start, pr.memory_slices))
                     .collect::<Vec<_>>(),
             );
-            let by_compute = if pr.compute_slices == 0 {
-                u32::MAX
-            } else {
-                u32::from(spec.compute_slices / pr.compute_slices)
-            };
+            let by_compute = spec
+                .compute_slices
+                .checked_div(pr.compute_slices)
+                .map_or(u32::MAX, u32::from);
             if pr.media_extensions || u32::from(pr.max_instances) < disjoint.min(by_compute) {
                 return Err(FragError::Config {
                     field: "model",

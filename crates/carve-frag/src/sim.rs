@@ -779,11 +779,7 @@ impl<'a, 'w> Replay<'a, 'w> {
             }
         };
         let most = |req: u64, cap: u64| -> i64 {
-            if cap == 0 {
-                0
-            } else {
-                (req.min(cap) * 100 / cap) as i64
-            }
+            (req.min(cap) * 100).checked_div(cap).unwrap_or(0) as i64
         };
         let fit = match self.w.scoring {
             Scoring::LeastAllocated => (least(cpu_req, n.cpu_cap) + least(mem_req, n.mem_cap)) / 2,
@@ -955,7 +951,7 @@ impl<'a, 'w> Replay<'a, 'w> {
     }
 
     /// A placed task leaves: its CPU, RAM and instances are freed. Under the
-    /// repack bound instances may have moved, so any instance of the task's
+    /// repack heuristic instances may have moved, so any instance of the task's
     /// profile on its node is removed (equivalent, since migration is allowed).
     pub fn depart(&mut self, live: &Live) {
         let d = &live.demand;
@@ -1174,7 +1170,7 @@ mod tests {
     }
 
     /// One H100 node, tasks 2g, 2g, 3g. carve: 2g@4, 2g@2, then 3g has no
-    /// free placement (@4 and @0 both overlap) and fails. The repack bound
+    /// free placement (@4 and @0 both overlap) and fails. The repack heuristic
     /// re-packs the node to 3g@4 + 2g@2 + 2g@0 (7 of 7 slices) instead.
     /// 3g, 3g, 1g: no layout holds 7 compute slices in 3g + 3g + 1g (3g + 3g
     /// covers all memory slices), so both fail the 1g.

@@ -131,7 +131,7 @@ impl ClusterRun {
     /// Per seed of `policy`: band mean, unallocated at 100 %, failed large
     /// at 100 %, failed compute by cause at 100 % (% of capacity).
     #[must_use]
-    pub fn per_seed(&self, policy: Policy) -> Vec<(u64, f64, f64, f64, [f64; 4])> {
+    pub fn per_seed(&self, policy: Policy) -> Vec<SeedFigures> {
         let r = &self.report;
         r.seeds
             .iter()
@@ -153,9 +153,8 @@ impl ClusterRun {
         if v.is_empty() {
             return None;
         }
-        let col = |f: &dyn Fn(&(u64, f64, f64, f64, [f64; 4])) -> f64| {
-            median(v.iter().map(f).collect()).unwrap_or(f64::NAN)
-        };
+        let col =
+            |f: &dyn Fn(&SeedFigures) -> f64| median(v.iter().map(f).collect()).unwrap_or(f64::NAN);
         Some(ClusterSummary {
             policy,
             band_mean: col(&|x| x.1),
@@ -165,6 +164,10 @@ impl ClusterRun {
         })
     }
 }
+
+/// One seed of a cluster run: seed, band mean, unallocated at 100 %, failed
+/// 4g + 7g at 100 %, failed compute by cause at 100 % (% of capacity).
+pub type SeedFigures = (u64, f64, f64, f64, [f64; 4]);
 
 /// Everything one suite run measured.
 #[derive(Clone, Debug)]

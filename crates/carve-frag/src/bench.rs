@@ -10,7 +10,7 @@ use carve_model::{GpuModel, GpuSpec, MODELS};
 use crate::error::FragError;
 use crate::mapping::{Demand, InternalFrag, Mapper};
 use crate::rng::SplitMix64;
-use crate::sim::{NodeCap, Policy, Totals, World, draw_sequence, replay};
+use crate::sim::{NodeCap, Policy, Scoring, Totals, World, draw_sequence, replay};
 use crate::trace::{NodeRow, load_nodes, load_tasks};
 #[cfg(test)]
 use std::collections::HashMap;
@@ -41,6 +41,11 @@ pub struct BenchConfig {
     /// kube-scheduler's `percentageOfNodesToScore`: 0 = its compiled-in
     /// adaptive default (41 % of 1,213 nodes), 100 = score every feasible node.
     pub nodes_to_score_pct: u32,
+    /// kube-scheduler's `NodeResourcesFit` scoring strategy.
+    pub scoring: Scoring,
+    /// Keep only the nodes with this many GPUs (a different cluster shape
+    /// from the same node list); `None` = every node.
+    pub only_gpus: Option<u32>,
 }
 
 impl BenchConfig {
@@ -58,6 +63,8 @@ impl BenchConfig {
             max_load_pct: 130,
             threads: 0,
             nodes_to_score_pct: 0,
+            scoring: Scoring::LeastAllocated,
+            only_gpus: None,
         }
     }
 
@@ -155,6 +162,16 @@ pub struct BenchReport {
     /// Per tracked profile: the typical host request of its tasks, `(cpu
     /// milli, memory MiB)`, medians over the trace rows mapped to it.
     pub requests: Vec<(u64, u64)>,
+    /// The scheduler's scoring strategy.
+    pub scoring: Scoring,
+    /// Failure classes of the single-device profiles with more than half a
+    /// GPU's compute (on H100: `4g`, `7g`): those that need slice 0.
+    pub large_classes: Vec<usize>,
+    /// Rows of the trace with a `gpu_spec` (honoured as a node filter).
+    pub gpu_spec_rows: usize,
+    /// Warnings about the inputs (e.g. `gpu_spec` models absent from the
+    /// node list), each naming the rows.
+    pub warnings: Vec<String>,
 }
 
 /// Which figure of a sample to summarise.
@@ -183,7 +200,7 @@ fn pct_f(x: f64, cap: u64) -> f64 {
     100.0 * x / cap as f64
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }
@@ -237,6 +254,37 @@ impl BenchReport {
             .zip(&t.unusable_compute)
             .map(|(&p, &u)| p * u as f64)
             .sum()
+    }
+
+    /// The sample of `policy` and `seed` at `load_pct`.
+    #[must_use]
+    pub fn sample(&self, policy: Policy, seed: u64, load_pct: u32) -> Option<&Sample> {
+        self.samples
+            .iter()
+            .find(|s| s.policy == policy && s.seed == seed && s.load_pct == load_pct)
+    }
+
+    /// Mean of unallocated compute %, over the load points `lo..=hi`, of one
+    /// policy and seed (`None` when a point is missing).
+    #[must_use]
+    pub fn band_mean(&self, policy: Policy, seed: u64, lo: u32, hi: u32) -> Option<f64> {
+        let mut sum = 0.0;
+        for load in lo..=hi {
+            sum += self.value(self.sample(policy, seed, load)?, Metric::UnallocatedCompute);
+        }
+        Some(sum / f64::from(hi - lo + 1))
+    }
+
+    /// Compute slices of failed tasks of the [`BenchReport::large_classes`]
+    /// (on H100 `4g` and `7g`), % of capacity.
+    #[must_use]
+    pub fn failed_large_pct(&self, t: &Totals) -> f64 {
+        let s: u64 = self
+            .large_classes
+            .iter()
+            .map(|&c| t.failed_compute[c])
+            .sum();
+        pct_f(s as f64, self.compute_capacity)
     }
 
     /// Values of `metric` for `policy` at `load_pct`, one per seed.
@@ -390,6 +438,11 @@ pub(crate) struct Prepared {
     pub popularity: Vec<f64>,
     /// See [`BenchReport::requests`].
     pub requests: Vec<(u64, u64)>,
+    /// See [`BenchReport::gpu_spec_rows`].
+    pub gpu_spec_rows: usize,
+    /// See [`BenchReport::warnings`].
+    pub warnings: Vec<String>,
+    pub scoring: Scoring,
 }
 
 impl Prepared {
@@ -403,8 +456,74 @@ impl Prepared {
             compute_capacity: self.compute_capacity,
             nodes_to_find: self.nodes_to_find,
             requests: &self.requests,
+            scoring: self.scoring,
         }
     }
+}
+
+/// Node models as bits, in order of first appearance in the node list.
+///
+/// # Errors
+/// More than 64 distinct models.
+fn model_bits(nodes: &[NodeRow], path: &Path) -> Result<Vec<String>, FragError> {
+    let mut models: Vec<String> = Vec::new();
+    for n in nodes {
+        if !models.contains(&n.model) {
+            models.push(n.model.clone());
+        }
+    }
+    if models.len() > 64 {
+        return Err(FragError::Config {
+            field: "nodes",
+            reason: format!(
+                "{}: {} distinct GPU models; at most 64 are supported",
+                path.display(),
+                models.len()
+            ),
+        });
+    }
+    Ok(models)
+}
+
+/// Apply each task's `gpu_spec` as a node filter ([`Demand::models`]); a
+/// warning for the rows that name models absent from the node list (they
+/// can run only on the models that are present, or nowhere).
+fn apply_gpu_spec(
+    tasks: &[crate::trace::TaskRow],
+    demands: &mut [Demand],
+    models: &[String],
+    trace: &Path,
+) -> (usize, Vec<String>) {
+    let mut rows = 0usize;
+    let mut unknown: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for (t, d) in tasks.iter().zip(demands.iter_mut()) {
+        if t.gpu_spec.is_empty() {
+            continue;
+        }
+        rows += 1;
+        let mut mask = 0u64;
+        for m in &t.gpu_spec {
+            match models.iter().position(|x| x == m) {
+                Some(i) => mask |= 1 << i,
+                None => unknown.entry(m.clone()).or_default().push(t.name.clone()),
+            }
+        }
+        d.models = mask;
+    }
+    let warnings = unknown
+        .into_iter()
+        .map(|(m, names)| {
+            let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
+            format!(
+                "{}: gpu_spec model {m:?} is not in the node list; {} row(s) name it ({}{}); they may run only on the other models they name, or on no node",
+                trace.display(),
+                names.len(),
+                shown.join(", "),
+                if names.len() > shown.len() { ", …" } else { "" }
+            )
+        })
+        .collect();
+    (rows, warnings)
 }
 
 /// Popularity and typical `(cpu milli, memory MiB)` request of each tracked
@@ -464,18 +583,24 @@ pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
     let (model, spec) = model_spec(&cfg.model)?;
     let nodes_file = cfg.nodes_path();
     let mut node_rows = load_nodes(&nodes_file)?;
+    let models = model_bits(&node_rows, &nodes_file)?;
+    if let Some(g) = cfg.only_gpus {
+        node_rows.retain(|n| n.gpus == g);
+    }
     if let Some(p) = cfg.sample_nodes_pct {
         node_rows = sample_nodes(&node_rows, p);
     }
     let tasks = load_tasks(&cfg.trace)?;
     let mapper = Mapper::new(&spec)?;
-    let demands: Vec<Demand> = tasks.iter().map(|t| mapper.map(&spec, t)).collect();
+    let mut demands: Vec<Demand> = tasks.iter().map(|t| mapper.map(&spec, t)).collect();
+    let (gpu_spec_rows, warnings) = apply_gpu_spec(&tasks, &mut demands, &models, &cfg.trace);
     let caps: Vec<NodeCap> = node_rows
         .iter()
         .map(|n| NodeCap {
             cpu_milli: n.cpu_milli,
             memory_mib: n.memory_mib,
             gpus: n.gpus,
+            model_bit: 1 << models.iter().position(|m| *m == n.model).unwrap_or(0),
         })
         .collect();
     let gpus: u64 = caps.iter().map(|n| u64::from(n.gpus)).sum();
@@ -511,6 +636,9 @@ pub(crate) fn prepare(cfg: &BenchConfig) -> Result<Prepared, FragError> {
         nodes_to_find,
         popularity,
         requests,
+        gpu_spec_rows,
+        warnings,
+        scoring: cfg.scoring,
     })
 }
 
@@ -613,6 +741,16 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, FragError> {
         nodes_to_find: pr.nodes_to_find,
         popularity: pr.popularity.clone(),
         requests: pr.requests.clone(),
+        scoring: cfg.scoring,
+        large_classes: pr
+            .profiles
+            .iter()
+            .enumerate()
+            .filter(|&(_, &p)| 2 * pr.spec.profiles[p].compute_slices > pr.spec.compute_slices)
+            .map(|(k, _)| k)
+            .collect(),
+        gpu_spec_rows: pr.gpu_spec_rows,
+        warnings: pr.warnings.clone(),
     })
 }
 
@@ -754,7 +892,7 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  repack-bound: carve's order while the profile has a free placement on a node; otherwise the node counts as feasible when its live instances plus the new ones pack onto its GPUs (exhaustive search over maximal per-GPU layouts) and is then re-packed (migrations allowed): optimistic per arrival, not a bound over the trajectory"
+            "  repack-heuristic: carve's order while the profile has a free placement on a node; otherwise the node counts as feasible when its live instances plus the new ones pack onto its GPUs (exhaustive search over maximal per-GPU layouts) and the chosen node is then re-packed (migrations allowed). A heuristic, not a bound: it re-packs only the chosen node, only on a miss, and changes which nodes the scheduler finds feasible afterwards"
         )?;
         let mix: Vec<String> = self
             .popularity
@@ -824,17 +962,17 @@ impl fmt::Display for BenchReport {
                 2,
             )?;
         }
-        if self.policies.contains(&Policy::RepackBound) {
+        if self.policies.contains(&Policy::RepackHeuristic) {
             let v: Vec<f64> = self
                 .samples
                 .iter()
-                .filter(|s| s.policy == Policy::RepackBound && s.load_pct == 100)
+                .filter(|s| s.policy == Policy::RepackHeuristic && s.load_pct == 100)
                 .map(|s| s.totals.repacks as f64)
                 .collect();
             if let Some(m) = median(v) {
                 writeln!(
                     f,
-                    "\nrepack-bound re-packed a node {m:.0} times up to arrived 100% (median over seeds)"
+                    "\nrepack-heuristic re-packed a node {m:.0} times up to arrived 100% (median over seeds)"
                 )?;
             }
         }
@@ -914,6 +1052,18 @@ mod tests {
                     // Every task is placed or failed exactly once.
                     let failed: u64 = s.totals.failures.iter().sum();
                     assert_eq!(s.totals.placed + failed, s.totals.tasks, "{}", s.policy);
+                    // The failure causes partition the failures, in tasks
+                    // and in compute slices.
+                    assert_eq!(s.totals.fail_causes.iter().sum::<u64>(), failed);
+                    assert_eq!(
+                        s.totals.fail_cause_compute.iter().sum::<u64>(),
+                        s.totals.failed_compute.iter().sum::<u64>()
+                    );
+                    if s.policy == Policy::RepackHeuristic {
+                        // It re-packs whenever some node could take the task
+                        // re-packed: nothing is re-pack-avoidable for it.
+                        assert_eq!(s.totals.fail_causes[3], 0);
+                    }
                     assert!(s.totals.used_compute <= r.compute_capacity);
                     assert!(
                         s.totals.stranded_compute <= r.compute_capacity - s.totals.used_compute
@@ -954,11 +1104,7 @@ mod tests {
         let demands: Vec<Demand> = tasks.iter().map(|t| mapper.map(&spec, t)).collect();
         let caps: Vec<NodeCap> = nodes
             .iter()
-            .map(|n| NodeCap {
-                cpu_milli: n.cpu_milli,
-                memory_mib: n.memory_mib,
-                gpus: n.gpus,
-            })
+            .map(|n| NodeCap::any_model(n.cpu_milli, n.memory_mib, n.gpus))
             .collect();
         let gpu0: Vec<usize> = caps
             .iter()
@@ -979,6 +1125,7 @@ mod tests {
             compute_capacity: cap,
             nodes_to_find: crate::sim::nodes_to_find(caps.len(), 0),
             requests: &[],
+            scoring: Scoring::LeastAllocated,
         };
         let seq = draw_sequence(&demands, 44, cap, 130);
         for pol in Policy::ALL {
@@ -995,7 +1142,7 @@ mod tests {
                     .sum::<u64>();
             }
             assert_eq!(used, end.used_compute, "{pol}");
-            if pol == Policy::RepackBound {
+            if pol == Policy::RepackHeuristic {
                 continue;
             }
             // Replaying the log placement by placement: each one was free when made,
@@ -1158,6 +1305,91 @@ mod tests {
             s,
             "the sample does not depend on run seeds"
         );
+    }
+
+    /// A copy of the fixture trace with `gpu_spec` set on every GPU task.
+    fn with_gpu_spec(dir: &Path, spec: &str) -> PathBuf {
+        let src = std::fs::read_to_string(data("openb_pod_list_sample.csv")).unwrap();
+        let mut out = String::new();
+        for (i, line) in src.lines().enumerate() {
+            let mut f: Vec<&str> = line.split(',').collect();
+            if i > 0 && f[3] != "0" {
+                f[5] = spec;
+            }
+            out.push_str(&f.join(","));
+            out.push('\n');
+        }
+        let p = dir.join(format!("spec_{}.csv", spec.replace('|', "_")));
+        std::fs::write(&p, out).unwrap();
+        p
+    }
+
+    #[test]
+    fn gpu_spec_is_a_node_filter_and_unknown_models_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = data("openb_node_list_gpu_node.csv");
+        let cfg = |trace: PathBuf| BenchConfig {
+            nodes: Some(nodes.clone()),
+            policies: vec![Policy::Carve],
+            max_load_pct: 100,
+            ..BenchConfig {
+                trace,
+                ..cfg(&[42])
+            }
+        };
+        let plain = run(&cfg(data("openb_pod_list_sample.csv"))).unwrap();
+        assert_eq!(plain.gpu_spec_rows, 0);
+        let t4 = run(&cfg(with_gpu_spec(dir.path(), "T4"))).unwrap();
+        assert!(t4.gpu_spec_rows > 0 && t4.warnings.is_empty());
+        assert_ne!(
+            plain.samples, t4.samples,
+            "a trace that differs only in gpu_spec gives other figures"
+        );
+        // GPU tasks placed only on T4 nodes: far more fail than without.
+        let failed = |r: &BenchReport| {
+            r.value(
+                r.sample(Policy::Carve, 42, 100).unwrap(),
+                Metric::FailedGpuTasks,
+            )
+        };
+        assert!(
+            failed(&t4) > failed(&plain),
+            "{} vs {}",
+            failed(&t4),
+            failed(&plain)
+        );
+        // A model absent from the node list is named, with the rows.
+        let bad = run(&cfg(with_gpu_spec(dir.path(), "T4|H800"))).unwrap();
+        assert_eq!(bad.warnings.len(), 1, "{:?}", bad.warnings);
+        assert!(bad.warnings[0].contains("\"H800\"") && bad.warnings[0].contains("openb-pod-0000"));
+        assert_eq!(bad.samples, t4.samples, "the known model still counts");
+        let none = run(&cfg(with_gpu_spec(dir.path(), "H800"))).unwrap();
+        let s = none.sample(Policy::Carve, 42, 100).unwrap();
+        let gpu_failed: u64 = s.totals.failures[..s.totals.failures.len() - 1]
+            .iter()
+            .sum();
+        assert_eq!(s.totals.used_compute, 0, "no node has the model");
+        assert_eq!(
+            s.totals.fail_causes[0], gpu_failed,
+            "all counted as no-host"
+        );
+    }
+
+    #[test]
+    fn most_allocated_scoring_changes_the_node_choice() {
+        let least = run(&BenchConfig {
+            policies: vec![Policy::Name],
+            ..cfg(&[42])
+        })
+        .unwrap();
+        let most = run(&BenchConfig {
+            policies: vec![Policy::Name],
+            scoring: Scoring::MostAllocated,
+            ..cfg(&[42])
+        })
+        .unwrap();
+        assert_eq!(most.scoring, Scoring::MostAllocated);
+        assert_ne!(least.samples, most.samples);
     }
 
     #[test]

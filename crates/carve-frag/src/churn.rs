@@ -411,7 +411,7 @@ mod tests {
         BenchConfig {
             seeds: vec![42],
             threads: 2,
-            policies: vec![Policy::Name, Policy::Carve, Policy::RepackBound],
+            policies: vec![Policy::Name, Policy::Carve, Policy::RepackHeuristic],
             ..BenchConfig::new(
                 Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/openb_pod_list_sample.csv"),
             )

@@ -2,7 +2,10 @@
 //! openb trace (Weng et al., ATC '23) mapped onto MIG profiles, with the
 //! Monte-Carlo inflation protocol of the FGD paper, and compares device-order
 //! policies (NVIDIA's name order, first-fit, best-fit, random, carve's order, a
-//! re-packing bound) by the compute slices they leave unallocated.
+//! re-packing heuristic) by the compute slices they leave unallocated: against
+//! the exact per-node optimum ([`optimum`]), and inside a modelled
+//! kube-scheduler under both `NodeResourcesFit` strategies, with each failure
+//! classified by cause ([`FailCause`]); [`run_suite`] runs it all side by side.
 //!
 //! It is a pure, synchronous library: it reads CSV files, simulates and writes
 //! one CSV. It is not a scheduler, talks to no cluster and no GPU. The node
@@ -14,8 +17,10 @@ pub mod bench;
 pub mod churn;
 pub mod error;
 pub mod mapping;
+pub mod optimum;
 pub mod rng;
 pub mod sim;
+pub mod suite;
 pub mod trace;
 
 pub use bench::{
@@ -24,4 +29,9 @@ pub use bench::{
 pub use churn::{ChurnConfig, ChurnReport, ChurnRow, run_churn};
 pub use error::FragError;
 pub use mapping::{Demand, InternalFrag, Mapper};
-pub use sim::{Policy, Totals};
+pub use optimum::{NodeOptimum, NodeReference, NodeShape};
+pub use sim::{FailCause, Policy, Scoring, Totals};
+pub use suite::{
+    BAND, ClusterRun, ClusterShape, ClusterSummary, SeedFigures, SuiteConfig, SuiteReport,
+    run_suite,
+};

@@ -31,6 +31,9 @@ pub struct Demand {
     pub requested_milli: u32,
     /// Failure class (position in [`Mapper::classes`]).
     pub class: usize,
+    /// The node models the task may run on (`gpu_spec`): bit `i` = model `i`
+    /// of the node list ([`crate::sim::NodeCap::model_bit`]); `u64::MAX` = any.
+    pub models: u64,
 }
 
 /// Rule A for one GPU spec.
@@ -137,6 +140,7 @@ impl Mapper {
             memory_slices: 0,
             requested_milli: t.num_gpu * t.gpu_milli,
             class: self.names.len() - 1,
+            models: u64::MAX,
         };
         if t.num_gpu == 0 {
             return base;
@@ -314,6 +318,7 @@ mod tests {
             gpu_milli: 1000,
             creation_time: None,
             deletion_time: None,
+            gpu_spec: Vec::new(),
         };
         let d = m.map(&s, &t);
         assert_eq!(s.profiles[d.profile.unwrap()].name, "7g.80gb");
@@ -324,7 +329,7 @@ mod tests {
             &TaskRow {
                 num_gpu: 0,
                 gpu_milli: 0,
-                ..t
+                ..t.clone()
             },
         );
         assert_eq!((cpu.profile, cpu.compute_slices), (None, 0));
@@ -343,6 +348,7 @@ mod tests {
             gpu_milli: milli,
             creation_time: None,
             deletion_time: None,
+            gpu_spec: Vec::new(),
         };
         // 470 → 4g.40gb: 4/7 compute and 4/8 memory of a GPU for 0.47 requested.
         let f = m.internal(&s, &[t(470), t(1000)]);

@@ -24,9 +24,94 @@ pub enum Policy {
     Random,
     /// carve's static order ([`carve_model::order::DeviceOrder::Carve`]).
     Carve,
-    /// Optimistic bound: carve's order, and when the task does not fit the node
-    /// as it is, every live instance of the node may be re-packed.
-    RepackBound,
+    /// A re-packing *heuristic*, not a bound: carve's order, and when the
+    /// task does not fit a node as it is, the node counts as feasible if its
+    /// live instances plus the new ones pack onto its GPUs; the chosen node is
+    /// then re-packed (migrations allowed). It re-packs only the chosen node,
+    /// only on a miss, and so changes which nodes the scheduler finds feasible
+    /// afterwards: it can end below or above a static order.
+    RepackHeuristic,
+}
+
+/// kube-scheduler's `NodeResourcesFit` scoring strategy (cpu and memory,
+/// weight 1 each); `NodeResourcesBalancedAllocation` is added under both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scoring {
+    /// The default: prefer the node with the most free CPU and RAM (spreads).
+    #[default]
+    LeastAllocated,
+    /// Prefer the node with the least free CPU and RAM (packs).
+    MostAllocated,
+}
+
+impl Scoring {
+    /// Both strategies, in report order.
+    pub const ALL: [Scoring; 2] = [Scoring::LeastAllocated, Scoring::MostAllocated];
+
+    /// The strategy's name in kube-scheduler's configuration.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            Scoring::LeastAllocated => "LeastAllocated",
+            Scoring::MostAllocated => "MostAllocated",
+        }
+    }
+}
+
+impl std::fmt::Display for Scoring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+impl std::str::FromStr for Scoring {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Scoring::ALL
+            .into_iter()
+            .find(|p| p.label().eq_ignore_ascii_case(s))
+            .ok_or_else(|| format!("unknown scoring {s:?}; known: LeastAllocated, MostAllocated"))
+    }
+}
+
+/// Why a task found no node, decided at the moment it failed; the causes
+/// partition the failures ([`Totals::fail_causes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FailCause {
+    /// No node (of the task's `gpu_spec` models) has the free CPU and RAM:
+    /// no device order and no re-packing could have placed it.
+    NoHost,
+    /// A multi-GPU task: every node with the CPU and RAM has fewer GPUs
+    /// that could be emptied for it than it needs, even re-packing the node.
+    NoEmptyGpus,
+    /// A single-device task: every node with the CPU and RAM is too full for
+    /// it even re-packed (its live instances plus the task do not pack).
+    NoRoom,
+    /// Some node with the CPU and RAM could have held it had its live
+    /// instances been placed differently (re-packing that one node now): a
+    /// loss a device order is answerable for.
+    RepackAvoidable,
+}
+
+impl FailCause {
+    /// Every cause, in report order.
+    pub const ALL: [FailCause; 4] = [
+        FailCause::NoHost,
+        FailCause::NoEmptyGpus,
+        FailCause::NoRoom,
+        FailCause::RepackAvoidable,
+    ];
+
+    /// The label used in tables and CSV.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            FailCause::NoHost => "no-host",
+            FailCause::NoEmptyGpus => "no-empty-gpus",
+            FailCause::NoRoom => "no-room",
+            FailCause::RepackAvoidable => "repack-avoidable",
+        }
+    }
 }
 
 impl Policy {
@@ -37,8 +122,15 @@ impl Policy {
         Policy::BestFit,
         Policy::Random,
         Policy::Carve,
-        Policy::RepackBound,
+        Policy::RepackHeuristic,
     ];
+
+    /// Whether the policy is a static device order (or the dynamic best-fit)
+    /// that never moves a live instance: the ones the per-node optimum bounds.
+    #[must_use]
+    pub fn never_migrates(self) -> bool {
+        self != Policy::RepackHeuristic
+    }
 
     /// The label used in tables, CSV and on the command line.
     #[must_use]
@@ -49,7 +141,7 @@ impl Policy {
             Policy::BestFit => "best-fit",
             Policy::Random => "random",
             Policy::Carve => "carve",
-            Policy::RepackBound => "repack-bound",
+            Policy::RepackHeuristic => "repack-heuristic",
         }
     }
 }
@@ -79,6 +171,21 @@ pub(crate) struct NodeCap {
     pub cpu_milli: u64,
     pub memory_mib: u64,
     pub gpus: u32,
+    /// This node's model as a bit of [`Demand::models`] (`u64::MAX` = matches
+    /// every task).
+    pub model_bit: u64,
+}
+
+impl NodeCap {
+    /// A node that matches every `gpu_spec`.
+    pub fn any_model(cpu_milli: u64, memory_mib: u64, gpus: u32) -> Self {
+        Self {
+            cpu_milli,
+            memory_mib,
+            gpus,
+            model_bit: u64::MAX,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -363,8 +470,13 @@ pub struct Totals {
     pub failures: Vec<u64>,
     /// Compute slices of the failed tasks, per class.
     pub failed_compute: Vec<u64>,
-    /// Node re-packings so far (repack bound only).
+    /// Node re-packings so far (repack heuristic only).
     pub repacks: u64,
+    /// Failed tasks by [`FailCause`] (positions as [`FailCause::ALL`]); they
+    /// sum to the failures of every class.
+    pub fail_causes: [u64; 4],
+    /// Compute slices of the failed tasks by [`FailCause`].
+    pub fail_cause_compute: [u64; 4],
     /// Per tracked profile (the mapper's profiles, smallest first): free
     /// compute slices that profile cannot use, i.e. those on GPUs where it has
     /// no free placement or whose node has less free CPU or RAM than the
@@ -402,8 +514,9 @@ struct Node {
     gpus: u32,
     /// GPUs where each profile has a free placement.
     fit_count: Vec<u8>,
-    /// Live instances per tracked profile (repack bound).
+    /// Live instances per tracked profile.
     counts: Vec<u16>,
+    model_bit: u64,
     /// Static order table.
     order: usize,
 }
@@ -424,6 +537,8 @@ pub(crate) struct World<'a> {
     /// task of that profile, `(cpu milli, memory MiB)`, for the fragmentation
     /// amount ([`Totals::unusable_compute`]).
     pub requests: &'a [(u64, u64)],
+    /// The scheduler's `NodeResourcesFit` strategy.
+    pub scoring: Scoring,
 }
 
 /// kube-scheduler's `numFeasibleNodesToFind`: how many feasible nodes it
@@ -454,6 +569,8 @@ pub(crate) struct Replay<'a, 'w> {
     w: &'w World<'a>,
     geo: Geometry<'a>,
     repack: Option<Repacker>,
+    /// For classifying failures (built at the first failure).
+    diag: Option<Repacker>,
     policy: Policy,
     nodes: Vec<Node>,
     gpu_state: Vec<u32>,
@@ -516,6 +633,7 @@ impl<'a, 'w> Replay<'a, 'w> {
                 gpus: n.gpus,
                 fit_count: w.spec.profiles.iter().map(|_| gpus).collect(),
                 counts: vec![0; w.profiles.len()],
+                model_bit: n.model_bit,
                 order,
             });
             gpu0 += n.gpus as usize;
@@ -523,11 +641,12 @@ impl<'a, 'w> Replay<'a, 'w> {
         let carve_starts = (0..w.spec.profiles.len())
             .map(|p| placement_order(w.spec, p, DeviceOrder::Carve))
             .collect();
-        let repack = (policy == Policy::RepackBound).then(|| Repacker::new(w.spec, w.profiles));
+        let repack = (policy == Policy::RepackHeuristic).then(|| Repacker::new(w.spec, w.profiles));
         Self {
             w,
             geo,
             repack,
+            diag: None,
             policy,
             nodes,
             gpu_state: vec![0; gpu0],
@@ -574,18 +693,65 @@ impl<'a, 'w> Replay<'a, 'w> {
     }
 
     fn with_added(&self, node: usize, d: &Demand) -> Option<Vec<u16>> {
-        let r = self.repack.as_ref()?;
         let p = d.profile?;
+        let slot = self.w.profiles.iter().position(|&q| q == p)?;
         let mut m = self.nodes[node].counts.clone();
-        m[r.slot(p)?] += u16::try_from(d.count).ok()?;
+        m[slot] += u16::try_from(d.count).ok()?;
         Some(m)
     }
 
-    fn feasible(&mut self, node: usize, d: &Demand) -> bool {
+    /// Whether the node's free CPU and RAM (and model) admit the task.
+    fn host_fits(&self, node: usize, d: &Demand) -> bool {
         let n = &self.nodes[node];
-        if n.cpu_used + d.cpu_milli > n.cpu_cap || n.mem_used + d.memory_mib > n.mem_cap {
+        n.cpu_used + d.cpu_milli <= n.cpu_cap
+            && n.mem_used + d.memory_mib <= n.mem_cap
+            && d.models & n.model_bit != 0
+    }
+
+    /// Free compute slices of a node.
+    fn node_free_compute(&self, node: usize) -> u32 {
+        let n = &self.nodes[node];
+        self.gpu_state[n.gpu0..n.gpu0 + n.gpus as usize]
+            .iter()
+            .map(|&st| u32::from(self.geo.info(st).free_compute))
+            .sum()
+    }
+
+    /// Why a task that found no feasible node failed (see [`FailCause`]).
+    fn classify_failure(&mut self, d: &Demand) -> FailCause {
+        let hosts: Vec<usize> = (0..self.nodes.len())
+            .filter(|&n| self.host_fits(n, d))
+            .collect();
+        if hosts.is_empty() || d.profile.is_none() {
+            return FailCause::NoHost;
+        }
+        if self.diag.is_none() {
+            self.diag = Some(Repacker::new(self.w.spec, self.w.profiles));
+        }
+        for node in hosts {
+            let gpus = self.nodes[node].gpus;
+            if gpus < d.count || self.node_free_compute(node) < d.compute_slices {
+                continue;
+            }
+            let Some(m) = self.with_added(node, d) else {
+                continue;
+            };
+            if self.diag.as_mut().is_some_and(|r| r.solve(&m, gpus)) {
+                return FailCause::RepackAvoidable;
+            }
+        }
+        if d.count > 1 {
+            FailCause::NoEmptyGpus
+        } else {
+            FailCause::NoRoom
+        }
+    }
+
+    fn feasible(&mut self, node: usize, d: &Demand) -> bool {
+        if !self.host_fits(node, d) {
             return false;
         }
+        let n = &self.nodes[node];
         let Some(p) = d.profile else { return true };
         if u32::from(n.fit_count[p]) >= d.count {
             return true;
@@ -612,7 +778,13 @@ impl<'a, 'w> Replay<'a, 'w> {
                 ((cap - req) * 100 / cap) as i64
             }
         };
-        let fit = (least(cpu_req, n.cpu_cap) + least(mem_req, n.mem_cap)) / 2;
+        let most = |req: u64, cap: u64| -> i64 {
+            (req.min(cap) * 100).checked_div(cap).unwrap_or(0) as i64
+        };
+        let fit = match self.w.scoring {
+            Scoring::LeastAllocated => (least(cpu_req, n.cpu_cap) + least(mem_req, n.mem_cap)) / 2,
+            Scoring::MostAllocated => (most(cpu_req, n.cpu_cap) + most(mem_req, n.mem_cap)) / 2,
+        };
         let frac = |req: u64, cap: u64| -> f64 {
             if cap == 0 {
                 1.0
@@ -743,6 +915,9 @@ impl<'a, 'w> Replay<'a, 'w> {
         let Some(node) = self.choose_node(d) else {
             self.t.failures[d.class] += 1;
             self.t.failed_compute[d.class] += u64::from(d.compute_slices);
+            let cause = self.classify_failure(d) as usize;
+            self.t.fail_causes[cause] += 1;
+            self.t.fail_cause_compute[cause] += u64::from(d.compute_slices);
             return None;
         };
         let mut devices = Vec::new();
@@ -759,7 +934,7 @@ impl<'a, 'w> Replay<'a, 'w> {
             } else if !self.repack_node(pos, node, d) {
                 unreachable!("the node filter promised a re-packing")
             }
-            if let Some(slot) = self.repack.as_ref().and_then(|r| r.slot(p)) {
+            if let Some(slot) = self.w.profiles.iter().position(|&q| q == p) {
                 self.nodes[node].counts[slot] += d.count as u16;
             }
             self.refresh(node);
@@ -776,7 +951,7 @@ impl<'a, 'w> Replay<'a, 'w> {
     }
 
     /// A placed task leaves: its CPU, RAM and instances are freed. Under the
-    /// repack bound instances may have moved, so any instance of the task's
+    /// repack heuristic instances may have moved, so any instance of the task's
     /// profile on its node is removed (equivalent, since migration is allowed).
     pub fn depart(&mut self, live: &Live) {
         let d = &live.demand;
@@ -793,14 +968,14 @@ impl<'a, 'w> Replay<'a, 'w> {
                         self.unplace(gi, c);
                     }
                 }
-                if let Some(slot) = self.repack.as_ref().and_then(|r| r.slot(p)) {
-                    let c = &mut self.nodes[node].counts[slot];
-                    *c = c.saturating_sub(d.count as u16);
-                }
             } else {
                 for &(gi, c) in &live.devices {
                     self.unplace(gi, c);
                 }
+            }
+            if let Some(slot) = self.w.profiles.iter().position(|&q| q == p) {
+                let c = &mut self.nodes[node].counts[slot];
+                *c = c.saturating_sub(d.count as u16);
             }
             self.refresh(node);
         }
@@ -937,6 +1112,7 @@ mod tests {
             memory_slices: u32::from(s.profiles[p].memory_slices),
             requested_milli: 400,
             class,
+            models: u64::MAX,
         }
     }
 
@@ -948,11 +1124,7 @@ mod tests {
     fn name_order_strands_where_carve_does_not() {
         let s = h100();
         let demands = vec![demand(&s, "3g.40gb", 0), demand(&s, "4g.40gb", 1)];
-        let nodes = vec![NodeCap {
-            cpu_milli: 64_000,
-            memory_mib: 1 << 20,
-            gpus: 2,
-        }];
+        let nodes = vec![NodeCap::any_model(64_000, 1 << 20, 2)];
         let profiles = vec![pidx(&s, "3g.40gb"), pidx(&s, "4g.40gb")];
         let w = World {
             spec: &s,
@@ -963,6 +1135,7 @@ mod tests {
             compute_capacity: 14,
             nodes_to_find: 1,
             requests: &[],
+            scoring: Scoring::LeastAllocated,
         };
         let seq = [0, 0, 1, 1];
         let (p3, p4) = (pidx(&s, "3g.40gb"), pidx(&s, "4g.40gb"));
@@ -978,7 +1151,7 @@ mod tests {
                 "{pol}"
             );
         }
-        for pol in [Policy::Carve, Policy::RepackBound] {
+        for pol in [Policy::Carve, Policy::RepackHeuristic] {
             let tr = replay(&w, pol, 42, &seq, 1000, true);
             let end = tr.points.last().unwrap();
             assert_eq!((end.used_compute, end.stranded_compute), (14, 0), "{pol}");
@@ -997,7 +1170,7 @@ mod tests {
     }
 
     /// One H100 node, tasks 2g, 2g, 3g. carve: 2g@4, 2g@2, then 3g has no
-    /// free placement (@4 and @0 both overlap) and fails. The repack bound
+    /// free placement (@4 and @0 both overlap) and fails. The repack heuristic
     /// re-packs the node to 3g@4 + 2g@2 + 2g@0 (7 of 7 slices) instead.
     /// 3g, 3g, 1g: no layout holds 7 compute slices in 3g + 3g + 1g (3g + 3g
     /// covers all memory slices), so both fail the 1g.
@@ -1009,11 +1182,7 @@ mod tests {
             demand(&s, "2g.20gb", 1),
             demand(&s, "3g.40gb", 2),
         ];
-        let nodes = vec![NodeCap {
-            cpu_milli: 64_000,
-            memory_mib: 1 << 20,
-            gpus: 1,
-        }];
+        let nodes = vec![NodeCap::any_model(64_000, 1 << 20, 1)];
         let profiles = vec![
             pidx(&s, "1g.10gb"),
             pidx(&s, "2g.20gb"),
@@ -1028,6 +1197,7 @@ mod tests {
             compute_capacity: 7,
             nodes_to_find: 1,
             requests: &[],
+            scoring: Scoring::LeastAllocated,
         };
         let (p2, p3) = (pidx(&s, "2g.20gb"), pidx(&s, "3g.40gb"));
         let carve = replay(&w, Policy::Carve, 1, &[1, 1, 2], 1000, true);
@@ -1038,7 +1208,7 @@ mod tests {
             (vec![0, 0, 1], 4, 0)
         );
 
-        let rp = replay(&w, Policy::RepackBound, 1, &[1, 1, 2], 1000, true);
+        let rp = replay(&w, Policy::RepackHeuristic, 1, &[1, 1, 2], 1000, true);
         let end = rp.points.last().unwrap();
         assert_eq!(
             (end.failures.clone(), end.used_compute, end.repacks),
@@ -1063,7 +1233,7 @@ mod tests {
         want.sort();
         assert_eq!(fin, want);
 
-        for pol in [Policy::Carve, Policy::RepackBound] {
+        for pol in [Policy::Carve, Policy::RepackHeuristic] {
             let tr = replay(&w, pol, 1, &[2, 2, 0], 1000, false);
             let end = tr.points.last().unwrap();
             assert_eq!(
@@ -1088,11 +1258,7 @@ mod tests {
         let mut d = demand(&s, "4g.40gb", 3);
         d.cpu_milli = 2000;
         let demands = vec![d];
-        let nodes = vec![NodeCap {
-            cpu_milli: 16_000,
-            memory_mib: 1 << 20,
-            gpus: 2,
-        }];
+        let nodes = vec![NodeCap::any_model(16_000, 1 << 20, 2)];
         let requests = vec![(1000, 1024); 5];
         let mut w = World {
             spec: &s,
@@ -1103,6 +1269,7 @@ mod tests {
             compute_capacity: 14,
             nodes_to_find: 1,
             requests: &requests,
+            scoring: Scoring::LeastAllocated,
         };
         let tr = replay(&w, Policy::Carve, 1, &[0], 1000, true);
         assert_eq!(tr.log, vec![(0, 0, 0, pidx(&s, "4g.40gb"), 0)]);
@@ -1140,11 +1307,7 @@ mod tests {
     fn node_search_is_round_robin_and_stops_at_nodes_to_find() {
         let s = h100();
         let demands = vec![demand(&s, "1g.10gb", 0)];
-        let node = |cpu_milli| NodeCap {
-            cpu_milli,
-            memory_mib: 1 << 20,
-            gpus: 1,
-        };
+        let node = |cpu_milli| NodeCap::any_model(cpu_milli, 1 << 20, 1);
         let nodes = vec![node(64_000), node(500), node(64_000)];
         let profiles = vec![pidx(&s, "1g.10gb")];
         let mut w = World {
@@ -1156,6 +1319,7 @@ mod tests {
             compute_capacity: 21,
             nodes_to_find: 1,
             requests: &[],
+            scoring: Scoring::LeastAllocated,
         };
         let chosen = |w: &World<'_>| -> Vec<usize> {
             replay(w, Policy::Carve, 3, &[0, 0, 0, 0], 1000, true)
@@ -1170,6 +1334,100 @@ mod tests {
         assert_eq!(all.len(), 4);
         assert!(all.iter().all(|&n| n != 1), "{all:?}");
         assert_ne!(all[0], all[1], "LeastAllocated spreads: {all:?}");
+    }
+
+    /// Two equal nodes scored on every feasible node: after the first task,
+    /// LeastAllocated sends the second task to the other node (175 against
+    /// 187 points), MostAllocated to the same one (125 against 112).
+    #[test]
+    fn most_allocated_packs_where_least_allocated_spreads() {
+        let s = h100();
+        // CPU and RAM in the same proportion, so that BalancedAllocation
+        // scores every node alike and NodeResourcesFit decides.
+        let mut d = demand(&s, "1g.10gb", 0);
+        (d.cpu_milli, d.memory_mib) = (8000, 8192);
+        let demands = vec![d];
+        let nodes = vec![
+            NodeCap::any_model(64_000, 65_536, 1),
+            NodeCap::any_model(64_000, 65_536, 1),
+        ];
+        let profiles = vec![pidx(&s, "1g.10gb")];
+        let mut w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 1,
+            compute_capacity: 14,
+            nodes_to_find: 2,
+            requests: &[],
+            scoring: Scoring::LeastAllocated,
+        };
+        let chosen = |w: &World<'_>| -> Vec<usize> {
+            replay(w, Policy::Carve, 3, &[0, 0, 0], 1000, true)
+                .log
+                .iter()
+                .map(|l| l.1)
+                .collect()
+        };
+        let least = chosen(&w);
+        assert_ne!(least[0], least[1], "{least:?}");
+        w.scoring = Scoring::MostAllocated;
+        let most = chosen(&w);
+        assert_eq!(most[0], most[1], "{most:?}");
+        assert_eq!(most[1], most[2], "{most:?}");
+    }
+
+    /// The failure causes at the moment of failure, by hand: one node of
+    /// one H100 with 4 cores.
+    /// - 3g, 3g (carve: @4 then @0), 4g: no 4g placement, but 3g + 4g would
+    ///   pack re-placed, and 3g + 3g + 4g would not (10 > 7): no-room.
+    /// - 2g (@4), 2g (@2), 3g: re-packed 3g@4 + 2g@2 + 2g@0: repack-avoidable.
+    /// - a 5-core task: no-host; 2 × 7g on one GPU: no-empty-gpus.
+    #[test]
+    fn failure_causes_by_hand() {
+        let s = h100();
+        let mut big = demand(&s, "1g.10gb", 0);
+        big.cpu_milli = 5000;
+        let mut pair = demand(&s, "7g.80gb", 4);
+        pair.count = 2;
+        pair.compute_slices = 14;
+        let demands = vec![
+            demand(&s, "2g.20gb", 1),
+            demand(&s, "3g.40gb", 2),
+            demand(&s, "4g.40gb", 3),
+            big,
+            pair,
+        ];
+        let nodes = vec![NodeCap::any_model(4000, 1 << 20, 1)];
+        let profiles: Vec<usize> = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+            .iter()
+            .map(|n| pidx(&s, n))
+            .collect();
+        let w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 5,
+            compute_capacity: 7,
+            nodes_to_find: 1,
+            requests: &[],
+            scoring: Scoring::LeastAllocated,
+        };
+        let causes = |seq: &[u32]| {
+            replay(&w, Policy::Carve, 1, seq, 100_000, false)
+                .points
+                .last()
+                .unwrap()
+                .fail_causes
+        };
+        assert_eq!(causes(&[1, 1, 2]), [0, 0, 1, 0]);
+        assert_eq!(causes(&[0, 0, 1]), [0, 0, 0, 1]);
+        assert_eq!(causes(&[3, 4]), [1, 1, 0, 0]);
+        // Name order on 3g, 4g: 3g@0 blocks the 4g; 3g@4 + 4g@0 would hold both.
+        let name = replay(&w, Policy::Name, 1, &[1, 2], 100_000, false);
+        assert_eq!(name.points.last().unwrap().fail_causes, [0, 0, 0, 1]);
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub struct TaskRow {
     pub creation_time: Option<u64>,
     /// Deletion time, seconds, if present.
     pub deletion_time: Option<u64>,
+    /// `gpu_spec`: the GPU models the task is constrained to (`|`-separated
+    /// in the trace); empty = any. Absent column = any.
+    pub gpu_spec: Vec<String>,
 }
 
 struct Table {
@@ -203,6 +206,7 @@ pub fn load_tasks(path: &Path) -> Result<Vec<TaskRow>, FragError> {
     );
     let created = col(&t, "creation_time").ok();
     let deleted = col(&t, "deletion_time").ok();
+    let spec_col = col(&t, "gpu_spec").ok();
     let mut out = Vec::with_capacity(t.rows.len());
     for (line, rec) in &t.rows {
         let line = *line;
@@ -248,6 +252,14 @@ pub fn load_tasks(path: &Path) -> Result<Vec<TaskRow>, FragError> {
             gpu_milli,
             creation_time: t.opt_uint(line, rec, created)?,
             deletion_time: t.opt_uint(line, rec, deleted)?,
+            gpu_spec: spec_col
+                .and_then(|c| rec.get(c.0))
+                .unwrap_or("")
+                .split('|')
+                .map(str::trim)
+                .filter(|m| !m.is_empty())
+                .map(str::to_string)
+                .collect(),
         });
     }
     Ok(out)

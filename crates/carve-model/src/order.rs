@@ -16,41 +16,24 @@
 //! 3. **placement rank** ([`carve_rank`]): least blocking first
 //!    ([`blocking_cost`]), ties to the higher start.
 //!
-//! Why it wins (`carve bench fragmentation`, openb trace mapped to H100 MIG
-//! profiles, kube-scheduler node choice, median of seeds 42–51, unallocated
-//! compute slices at 100 % arrived load): `gpushare100` 7.39 % against
-//! 11.94 % for name order (−38 %; seeds 1–10: 7.36 against 11.96, −38 %);
-//! `default` 5.08 % against 6.47 % (−21 %; seeds 1–10: 5.26 against 6.52,
-//! −19 %: short of the 30 % target), below best-fit, random and the
-//! re-packing reference on both traces.
-//! On `default` about 3.8 of those points are failed multi-GPU (mostly
-//! 8-GPU) tasks: they need a node with all 8 GPUs free and ~64–88 free cores,
-//! and the scheduler's LeastAllocated spreading puts a pod on every node
-//! early (seed 42, carve: of 31 failed, 19 find no node with the CPU and RAM
-//! at all, 12 only nodes with fewer empty GPUs), so they fail alike under
-//! every device order (an order only arranges devices inside the
-//! node the scheduler already chose; even re-packing every node, the
-//! `repack-bound` row, gets 5.21 %). Name and first-fit put `3g` at slice 0
-//! and small profiles at low slices, which forbids `4g` (only placeable at 0)
-//! on that GPU. Ranking inside a GPU alone (GPU-major, which packs small
-//! profiles onto few GPUs) fixes that but still puts a second `3g` at slice 0
-//! of the same GPU (`3g + 3g` strands a slice and forbids `4g`): 5.19 % on
-//! `default`, 5.13 % with windows of 4 GPUs. The tier key sends it to the
-//! right half of the next GPU instead, where a later `4g` completes the GPU
-//! exactly (`4g + 3g`, `4g + 2g + 1g`).
-//!
-//! What is left on `default` is set by the request mix, not by the order:
-//! a GPU holding a `4g` keeps 3 compute slices only `1g`–`3g` can use, and up
-//! to 100 % the trace brings fewer `1g`–`3g` slices (3.7 % of capacity) than
-//! the placed `4g` leave (3 × 900–930 slices, 6.2–6.4 %), so 2.5–2.8 % of
-//! capacity stays free on `4g` GPUs whatever the order, and re-packing cannot
-//! change that (4.3–5.4 % on `gpushare100`; seeds 42–45, name and carve). The
-//! `7g` tasks that still fail (1.2 %) meet nodes whose free slices lie on such
-//! GPUs. Other static orders tried on `default` (seeds 42–47:
-//! carve 4.93 %): GPU-major 5.14 %, tier within windows of 2 or 4 GPUs 5.02 /
-//! 5.01 %, whole GPUs from the highest index 4.93 % (the same: empty GPUs are
-//! interchangeable), small profiles from the highest GPU index 5.06 % (7.26
-//! against 7.39 % on `gpushare100`).
+//! What it achieves (`carve bench fragmentation`, openb trace mapped to H100
+//! MIG profiles; figures, commands and caveats in `docs/benchmarks.md`,
+//! "Fragmentation"): inside a modelled kube-scheduler with its default
+//! LeastAllocated scoring, the lowest mean unallocated compute over 100–130 %
+//! arrived of every policy compared, best-fit and a re-packing heuristic
+//! included (default trace 3.90 % against 5.79 % for name order, −33 %;
+//! `gpushare100` 5.53 % against 10.09 %, −45 %; medians over seeds 1–50), and
+//! re-pack-avoidable failures of 0.016 % of capacity on the default trace.
+//! Under MostAllocated every order lands within about 0.5 points of every
+//! other. Against the exact per-node optimum (one node, forced placement) it
+//! is 0.15–1.23 points off, where best-fit and a GPU-major order are
+//! 0.00–0.98: the tier key spreads small profiles over the right halves of
+//! many GPUs, which keeps `4g` homes (good in a cluster, where a rejected
+//! task gets another node) but uses up empty GPUs a single node needs for
+//! `7g`. Name and first-fit put `3g` at slice 0 and small profiles at low
+//! slices, which forbids `4g` (only placeable at 0) on that GPU. Windowed,
+//! GPU-major and mixed variants were measured and lost in the cluster (see
+//! the benchmarks document).
 
 use crate::spec::{GpuSpec, Placement};
 

@@ -13,38 +13,68 @@ pub enum BenchCommand {
     /// time to registration, with the NVML simulator.
     Prepare(crate::bench_prepare::PrepareBench),
     /// Replay the Alibaba openb trace on MIG GPUs and compare device-order policies
-    /// (NVIDIA's name order, first-fit, best-fit, random, carve, a repack bound).
+    /// (NVIDIA's name order, first-fit, best-fit, random, carve, a re-packing
+    /// heuristic) against the exact per-node optimum and inside a modelled
+    /// kube-scheduler, with the failure decomposition.
     Fragmentation(FragBench),
 }
 
 #[derive(Debug, clap::Args)]
 pub struct FragBench {
-    /// Pod list of the trace (e.g. shared/data/traces/openb_pod_list_default.csv).
-    #[arg(long)]
-    trace: std::path::PathBuf,
+    /// Pod list of the trace (e.g. shared/data/traces/openb_pod_list_default.csv);
+    /// repeat for several traces, side by side.
+    #[arg(long, required = true)]
+    trace: Vec<std::path::PathBuf>,
     /// Node list (default: openb_node_list_gpu_node.csv next to the trace).
     #[arg(long)]
     nodes: Option<std::path::PathBuf>,
-    /// Seeds, e.g. `42..51` (both ends included) or `1,5,9`.
-    #[arg(long, default_value = "42..51")]
+    /// Cluster seeds, e.g. `1..50` (both ends included) or `1,5,9`.
+    #[arg(long, default_value = "1..5")]
     seeds: String,
+    /// Per-node reference: one task sequence per seed and node shape; `none`
+    /// skips it.
+    #[arg(long, default_value = "1..100")]
+    node_seeds: String,
+    /// Policies to compare (comma-separated): name, first-fit, best-fit,
+    /// random, carve, repack-heuristic.
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<carve_frag::Policy>,
+    /// kube-scheduler NodeResourcesFit scoring strategies (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "LeastAllocated,MostAllocated"
+    )]
+    scoring: Vec<carve_frag::Scoring>,
+    /// Cluster shapes from the node list (comma-separated): `all`, or a GPU
+    /// count (only the nodes with that many GPUs).
+    #[arg(long, value_delimiter = ',', default_value = "all,8")]
+    clusters: Vec<String>,
+    /// Worker threads (0 = available parallelism).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Also print the full per-run report (every metric at 90/100/110/130 %)
+    /// of each cluster run.
+    #[arg(long)]
+    detail: bool,
     /// GPU model every GPU of the node list becomes (MIG-capable).
     #[arg(long, default_value = "h100-80gb")]
     model: String,
     /// Keep only this percentage of the nodes (stratified by GPUs per node).
     #[arg(long)]
     sample_nodes: Option<f64>,
-    /// Arrived load to stop at, in % of capacity.
-    #[arg(long, default_value_t = 130)]
-    max_load: u32,
     /// Feasible nodes the scheduler looks for before scoring, in % of the
     /// nodes (kube-scheduler's percentageOfNodesToScore); 0 = its adaptive
     /// default (497 of 1,213 nodes), 100 = score every feasible node.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
     nodes_to_score_pct: u32,
-    /// Write one CSV row per policy x seed x load point.
+    /// Write every figure, one value a row
+    /// (section,trace,shape,scoring,policy,seed,metric,value).
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
+    /// Write one CSV row per policy x seed x load point of the first cluster run.
+    #[arg(long)]
+    samples_csv: Option<std::path::PathBuf>,
     /// Churn mode: Poisson arrivals with departures at several offered loads.
     #[arg(long)]
     churn: bool,
@@ -83,28 +113,82 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         BenchCommand::Prepare(a) => crate::bench_prepare::run(&a),
-        BenchCommand::Fragmentation(a) => {
-            let mut cfg = carve_frag::BenchConfig::new(&a.trace);
-            cfg.nodes = a.nodes;
-            cfg.seeds = carve_frag::parse_seeds(&a.seeds)?;
-            cfg.model = a.model;
-            cfg.sample_nodes_pct = a.sample_nodes;
-            cfg.max_load_pct = a.max_load;
-            cfg.nodes_to_score_pct = a.nodes_to_score_pct;
-            if a.churn {
-                let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
-                print!("{report}");
-                if let Some(csv) = &a.csv {
-                    report.write_csv(csv)?;
-                }
-            } else {
-                let report = carve_frag::run(&cfg)?;
-                print!("{report}");
-                if let Some(csv) = &a.csv {
-                    report.write_csv(csv)?;
-                }
-            }
-            Ok(ExitCode::SUCCESS)
+        BenchCommand::Fragmentation(a) => fragmentation(a),
+    }
+}
+
+fn cluster_shapes(v: &[String]) -> anyhow::Result<Vec<carve_frag::ClusterShape>> {
+    v.iter()
+        .map(|s| match s.trim() {
+            "all" => Ok(carve_frag::ClusterShape::All),
+            g => g
+                .parse::<u32>()
+                .ok()
+                .filter(|&g| g > 0)
+                .map(carve_frag::ClusterShape::OnlyGpus)
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--clusters: {s:?} is neither `all` nor a GPU count above 0")
+                }),
+        })
+        .collect()
+}
+
+fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
+    let seeds = carve_frag::parse_seeds(&a.seeds)?;
+    let policies = if a.policies.is_empty() {
+        carve_frag::Policy::ALL.to_vec()
+    } else {
+        a.policies.clone()
+    };
+    if a.churn {
+        let mut cfg = carve_frag::BenchConfig::new(&a.trace[0]);
+        cfg.nodes = a.nodes;
+        cfg.seeds = seeds;
+        cfg.model = a.model;
+        cfg.sample_nodes_pct = a.sample_nodes;
+        cfg.nodes_to_score_pct = a.nodes_to_score_pct;
+        cfg.policies = policies;
+        cfg.threads = a.threads;
+        let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
+        print!("{report}");
+        if let Some(csv) = &a.csv {
+            report.write_csv(csv)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut cfg = carve_frag::SuiteConfig::new(a.trace.clone());
+    cfg.nodes = a.nodes;
+    cfg.seeds = seeds;
+    cfg.node_seeds = if a.node_seeds == "none" {
+        Vec::new()
+    } else {
+        carve_frag::parse_seeds(&a.node_seeds)?
+    };
+    cfg.model = a.model;
+    cfg.policies = policies;
+    cfg.scorings = a.scoring;
+    cfg.shapes = cluster_shapes(&a.clusters)?;
+    cfg.sample_nodes_pct = a.sample_nodes;
+    cfg.nodes_to_score_pct = a.nodes_to_score_pct;
+    cfg.threads = a.threads;
+    let report = carve_frag::run_suite(&cfg)?;
+    print!("{report}");
+    if a.detail {
+        for run in &report.runs {
+            println!(
+                "\n=== {} / {} / {} ===",
+                run.trace,
+                run.shape.label(),
+                run.report.scoring
+            );
+            print!("{}", run.report);
         }
     }
+    if let Some(csv) = &a.csv {
+        report.write_csv(csv)?;
+    }
+    if let (Some(path), Some(run)) = (&a.samples_csv, report.runs.first()) {
+        run.report.write_csv(path)?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -624,10 +624,13 @@ pub type Prepared = BTreeMap<String, Vec<String>>;
 ///   `<uid>-<device>` for every reported CDI id `k8s.gpu.carve.dev/claim=<uid>-<device>`;
 /// * the reported devices are exactly the allocated ones;
 /// * for each MIG device `gpu-G-mig-P-S`: GPU G has a GPU instance of profile P
-///   (its NVML profile id) starting at memory slice S with at least one
-///   compute instance, and the CDI device's `NVIDIA_VISIBLE_DEVICES` is that
-///   compute instance's MIG UUID;
-/// * for a whole GPU: `NVIDIA_VISIBLE_DEVICES` names a `GPU-` UUID.
+///   (its NVML profile id) starting at memory slice S, and the CDI device's
+///   nodes are exactly GPU G's `/dev/nvidia<G>` and the capability nodes of
+///   that GPU instance and one of its compute instances (minors from the
+///   driver's proc files);
+/// * for a whole GPU: the device's only node is `/dev/nvidia<G>`;
+/// * no device sets a visible-devices variable (two devices in one container
+///   would overwrite each other's).
 ///
 /// # Errors
 /// [`E2eError::Check`] naming the claim and what is wrong.
@@ -677,16 +680,23 @@ pub fn check_prepared(
                     path.display()
                 ))
             })?;
-        let visible = dev
+        // Issue 16 §2: a device is identified by its device nodes; a
+        // per-device NVIDIA_VISIBLE_DEVICES would overwrite another device's
+        // in the same container.
+        if let Some(v) = dev
             .container_edits
             .env
             .iter()
-            .find_map(|e| e.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
-            .ok_or_else(|| {
-                bad(format!(
-                    "CDI device {cdi_name} sets no NVIDIA_VISIBLE_DEVICES"
-                ))
-            })?;
+            .find(|e| e.contains("VISIBLE_DEVICES="))
+        {
+            return Err(bad(format!("CDI device {cdi_name} sets {v}")));
+        }
+        let nodes: Vec<&str> = dev
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
         let name: DeviceName = device
             .parse()
             .map_err(|e| bad(format!("device name {device:?}: {e}")))?;
@@ -721,20 +731,39 @@ pub fn check_prepared(
                                 .collect::<Vec<_>>()
                         ))
                     })?;
-                if !gi.compute_instances.iter().any(|ci| ci.uuid == visible) {
+                // The parent's node and the GI and CI capability nodes, whose
+                // minors the driver's proc files give.
+                let mig_dir = node
+                    .sim
+                    .proc_root
+                    .join("capabilities")
+                    .join(format!("gpu{gpu}"))
+                    .join("mig")
+                    .join(format!("gi{}", gi.id));
+                let gi_cap = cap_minor(&mig_dir.join("access")).map_err(&bad)?;
+                let matches_a_ci = gi.compute_instances.iter().any(|ci| {
+                    cap_minor(&mig_dir.join(format!("ci{}", ci.id)).join("access")).is_ok_and(
+                        |ci_cap| {
+                            nodes
+                                == [
+                                    format!("/dev/nvidia{gpu}").as_str(),
+                                    format!("/dev/nvidia-caps/nvidia-cap{gi_cap}").as_str(),
+                                    format!("/dev/nvidia-caps/nvidia-cap{ci_cap}").as_str(),
+                                ]
+                        },
+                    )
+                });
+                if !matches_a_ci {
                     return Err(bad(format!(
-                        "{device}: NVIDIA_VISIBLE_DEVICES={visible} is no compute instance of the GPU instance at slice {start} ({:?})",
-                        gi.compute_instances
-                            .iter()
-                            .map(|c| &c.uuid)
-                            .collect::<Vec<_>>()
+                        "{device}: device nodes {nodes:?} are not GPU {gpu}'s node and the capability nodes of GPU instance {} (cap {gi_cap}) and one of its compute instances",
+                        gi.id
                     )));
                 }
             }
-            DeviceName::Gpu { .. } => {
-                if !visible.starts_with("GPU-") {
+            DeviceName::Gpu { gpu } => {
+                if nodes != [format!("/dev/nvidia{gpu}").as_str()] {
                     return Err(bad(format!(
-                        "{device}: NVIDIA_VISIBLE_DEVICES={visible} is not a GPU UUID"
+                        "{device}: device nodes {nodes:?}, want only /dev/nvidia{gpu}"
                     )));
                 }
             }
@@ -746,6 +775,15 @@ pub fn check_prepared(
         }
     }
     Ok(())
+}
+
+/// The `DeviceFileMinor` of a driver capability `access` file.
+fn cap_minor(access: &Path) -> Result<u32, String> {
+    let text = std::fs::read_to_string(access).map_err(|e| format!("{}: {e}", access.display()))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
+        .and_then(|m| m.trim().parse().ok())
+        .ok_or_else(|| format!("{}: no DeviceFileMinor", access.display()))
 }
 
 /// The claim's name and namespace as a kubelet `Claim`.

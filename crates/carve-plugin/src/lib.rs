@@ -17,6 +17,7 @@
 //! under the driver's default time-slicing scheduler: NVML offers no
 //! bare-metal time-slice policy carve could set.
 
+mod api;
 mod cdi;
 mod checkpoint;
 mod claim;
@@ -31,6 +32,7 @@ mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use api::ApiFailure;
 pub use cdi::{
     CDI_KIND, CdiDevice, CdiError, CdiSpec, ContainerEdits as CdiContainerEdits,
     DeviceNode as CdiDeviceNode, claim_spec_path,
@@ -39,7 +41,10 @@ pub use checkpoint::{
     CHECKPOINT_API_VERSION, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState,
     DeviceRecord, MpsShare, PreparedKind,
 };
-pub use claim::{ClaimRef, InvalidClaim, PreparedDevice, ReadClaim};
+pub use claim::{
+    ClaimRef, FieldProblem, InvalidClaim, MAX_NAME_LEN, MAX_NAMESPACE_LEN, MAX_UID_LEN,
+    PreparedDevice, ReadClaim,
+};
 pub use config::{
     ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, MpsSetup, OPAQUE_API_VERSION,
     OpaqueConfig, PluginConfig, Retry, WriteFault,

@@ -406,11 +406,15 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         }
         let resync = Duration::from_secs(args.resync_seconds.max(1));
         let mut stop = stop_rx.clone();
+        // Slices deleted or changed behind the plugin's back are republished
+        // as soon as the watch sees it; the periodic resync stays as a backstop.
+        let mut slice_watch = publisher.watch();
         let publish_task = tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = stop.changed() => return,
                     r = snapshots.changed() => if r.is_err() { return },
+                    _ = slice_watch.changed() => {}
                     () = tokio::time::sleep(resync) => {}
                 }
                 let want = tainted(&snapshots.borrow_and_update());

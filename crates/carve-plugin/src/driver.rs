@@ -3111,56 +3111,73 @@ fn destroy_devices(
     Ok(())
 }
 
+/// Dynamic GPUs of these models (`GpuModel` names) as the driver holds them,
+/// without NVML: for the plan tests and the fuzz targets.
+#[cfg(any(test, feature = "fuzzing"))]
+fn simulated_gpus(models: &[&str]) -> BTreeMap<u32, Arc<Gpu>> {
+    models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let spec = carve_model::GpuModel::find(m)
+                .expect("a known GPU model")
+                .spec();
+            let i = i as u32;
+            let info = GpuInfo {
+                index: i,
+                minor: i,
+                uuid: format!("GPU-{i}"),
+                name: spec.product_name.clone(),
+                architecture: spec.architecture,
+                cuda_compute_capability: spec.cuda_compute_capability,
+                driver_version: "580.65.06".into(),
+                pci_bus_id: String::new(),
+                memory_mib: spec.memory_mib,
+                multiprocessors: spec.multiprocessors,
+                mig_capable: spec.mig_capable,
+                mig_mode: spec.mig_capable.then_some(carve_gpu::MigMode {
+                    current: false,
+                    pending: false,
+                }),
+            };
+            (
+                i,
+                Arc::new(Gpu {
+                    physical: carve_model::PhysicalGpu {
+                        index: info.index,
+                        minor: info.minor,
+                        uuid: info.uuid.clone(),
+                        pci_bus_id: None,
+                        pcie_root: None,
+                        driver_version: "580.65.6".into(),
+                        spec: spec.clone(),
+                    },
+                    info,
+                    profiles: spec.profiles,
+                    policy: GpuPolicy::Dynamic,
+                    rt: tokio::sync::Mutex::new(GpuRuntime { mig_current: false }),
+                }),
+            )
+        })
+        .collect()
+}
+
+/// Fuzzing entry ([`crate::fuzzing`]): plan `rc` for node `node-a` with an
+/// H100, an A100 and an L4 (the validation every claim from the API server
+/// goes through before anything is made). Returns the number of devices.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn plan_on_simulated_node(rc: &ResourceClaim) -> Result<usize, ClaimError> {
+    static GPUS: std::sync::OnceLock<BTreeMap<u32, Arc<Gpu>>> = std::sync::OnceLock::new();
+    let gpus = GPUS.get_or_init(|| simulated_gpus(&["h100-80gb", "a100-40gb", "l4-24gb"]));
+    plan_claim(&PluginConfig::new("node-a"), gpus, rc).map(|p| p.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use carve_gpu::MigMode;
-    use carve_model::GpuModel;
 
     fn gpus(models: &[&str]) -> BTreeMap<u32, Arc<Gpu>> {
-        models
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let spec = GpuModel::find(m).unwrap().spec();
-                let i = i as u32;
-                let info = GpuInfo {
-                    index: i,
-                    minor: i,
-                    uuid: format!("GPU-{i}"),
-                    name: spec.product_name.clone(),
-                    architecture: spec.architecture,
-                    cuda_compute_capability: spec.cuda_compute_capability,
-                    driver_version: "580.65.06".into(),
-                    pci_bus_id: String::new(),
-                    memory_mib: spec.memory_mib,
-                    multiprocessors: spec.multiprocessors,
-                    mig_capable: spec.mig_capable,
-                    mig_mode: spec.mig_capable.then_some(MigMode {
-                        current: false,
-                        pending: false,
-                    }),
-                };
-                (
-                    i,
-                    Arc::new(Gpu {
-                        physical: carve_model::PhysicalGpu {
-                            index: info.index,
-                            minor: info.minor,
-                            uuid: info.uuid.clone(),
-                            pci_bus_id: None,
-                            pcie_root: None,
-                            driver_version: "580.65.6".into(),
-                            spec: spec.clone(),
-                        },
-                        info,
-                        profiles: spec.profiles,
-                        policy: GpuPolicy::Dynamic,
-                        rt: tokio::sync::Mutex::new(GpuRuntime { mig_current: false }),
-                    }),
-                )
-            })
-            .collect()
+        simulated_gpus(models)
     }
 
     fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {

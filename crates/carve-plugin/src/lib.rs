@@ -25,6 +25,8 @@ mod config;
 mod driver;
 mod error;
 mod fsutil;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod health;
 mod metrics;
 mod mps;

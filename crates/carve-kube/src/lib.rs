@@ -5,8 +5,10 @@
 //! when something changed and writing nothing otherwise. [`server_version`]
 //! reads the server's minor version to pick the slice layout.
 //!
-//! This crate does not build slices, watch anything or run a control loop: the
-//! caller decides when to call [`SlicePublisher::sync`].
+//! [`SlicePublisher::watch`] reports, within a second, changes made to those
+//! slices behind the publisher's back ([`SliceWatch`]). This crate does not
+//! build slices or run a control loop: the caller decides when to call
+//! [`SlicePublisher::sync`].
 
 #[cfg(feature = "bench")]
 pub mod bench;
@@ -17,9 +19,11 @@ pub mod layout_watch;
 pub mod plan;
 pub mod publish;
 pub mod version;
+pub mod watch;
 
 pub use dropped::{Dropped, FeatureGate, dropped_fields};
 pub use error::{PublishError, Verb};
 pub use layout_watch::{VersionChange, VersionWatch, skew_warning};
 pub use publish::{ConflictRetry, SlicePublisher, SyncReport};
 pub use version::{parse_version, server_version};
+pub use watch::{Changes, SliceWatch, WatchPacing};

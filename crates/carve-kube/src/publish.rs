@@ -11,6 +11,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use crate::error::{PublishError, Verb, api_code};
 use crate::plan::{Listed, Step, plan, validate_desired};
+use crate::watch::{OwnWrites, SliceWatch};
 
 /// How often and how patiently [`SlicePublisher::sync`] retries after a 409
 /// Conflict (a concurrent writer changed or created a slice between the list
@@ -78,15 +79,19 @@ impl SyncReport {
 
 /// Publishes the ResourceSlices of one driver on one node.
 ///
-/// It keeps no state between calls: every [`sync`](Self::sync) lists what the
-/// API server has, so a freshly constructed publisher (after a restart) makes no
-/// write when nothing changed. Only slices whose `spec.driver` and
-/// `spec.nodeName` are this publisher's are ever written or deleted.
+/// What it writes depends on nothing remembered between calls: every
+/// [`sync`](Self::sync) lists what the API server has, so a freshly
+/// constructed publisher (after a restart) makes no write when nothing
+/// changed. It remembers only which writes were its own, so that its
+/// [`watch`](Self::watch) can tell them from changes made behind its back.
+/// Only slices whose `spec.driver` and `spec.nodeName` are this publisher's
+/// are ever written or deleted.
 pub struct SlicePublisher {
     client: Client,
     node_name: String,
     driver: String,
     retry: ConflictRetry,
+    own: OwnWrites,
 }
 
 impl fmt::Debug for SlicePublisher {
@@ -119,7 +124,19 @@ impl SlicePublisher {
             node_name: node_name.into(),
             driver: driver.into(),
             retry: ConflictRetry::default(),
+            own: OwnWrites::default(),
         }
+    }
+
+    /// A watch of this driver's slices on this node that reports changes made
+    /// by anyone but this publisher (see [`SliceWatch`]).
+    pub fn watch(&self) -> SliceWatch {
+        SliceWatch::new(
+            self.client.clone(),
+            &self.node_name,
+            &self.driver,
+            self.own.clone(),
+        )
     }
 
     /// Replaces the conflict retry policy (`attempts` below 1 counts as 1).
@@ -142,6 +159,11 @@ impl SlicePublisher {
         Api::all(self.client.clone())
     }
 
+    /// `spec.nodeName=<node>,spec.driver=<driver>`.
+    pub(crate) fn selector(node_name: &str, driver: &str) -> String {
+        format!("spec.nodeName={node_name},spec.driver={driver}")
+    }
+
     /// The slices of this driver on this node as the API server has them now.
     ///
     /// Uses the field selector `spec.nodeName=<node>,spec.driver=<driver>` and
@@ -150,10 +172,7 @@ impl SlicePublisher {
     /// Each is reduced to a [`Listed`] as it is read (no copy of the full
     /// objects is kept).
     pub async fn existing(&self) -> Result<Vec<Listed>, PublishError> {
-        let selector = format!(
-            "spec.nodeName={},spec.driver={}",
-            self.node_name, self.driver
-        );
+        let selector = Self::selector(&self.node_name, &self.driver);
         let api: Api<Listed> = Api::all(self.client.clone());
         let mut params = ListParams::default().fields(&selector).limit(500);
         let mut out = Vec::new();
@@ -261,6 +280,7 @@ impl SlicePublisher {
                     let name = write.name().to_owned();
                     match api.create(&PostParams::default(), &slice).await {
                         Ok(stored) => {
+                            self.own.written(&stored);
                             check_counters_kept(Verb::Create, &slice, &stored)?;
                             report.created += 1;
                         }
@@ -273,6 +293,7 @@ impl SlicePublisher {
                     let name = write.name().to_owned();
                     match api.replace(&name, &PostParams::default(), &slice).await {
                         Ok(stored) => {
+                            self.own.written(&stored);
                             check_counters_kept(Verb::Update, &slice, &stored)?;
                             report.updated += 1;
                         }
@@ -283,7 +304,10 @@ impl SlicePublisher {
                 }
                 Step::Delete(name) => {
                     match api.delete(&name, &DeleteParams::default()).await {
-                        Ok(_) => report.deleted += 1,
+                        Ok(_) => {
+                            self.own.deleted(&name);
+                            report.deleted += 1;
+                        }
                         // Already gone: that is what we wanted.
                         Err(e) if api_code(&e) == Some(404) => {}
                         Err(e) => return Err(classify(Verb::Delete, name, e, false)),
@@ -304,7 +328,10 @@ impl SlicePublisher {
         for slice in self.existing().await? {
             let name = slice.name().to_owned();
             match api.delete(&name, &DeleteParams::default()).await {
-                Ok(_) => deleted += 1,
+                Ok(_) => {
+                    self.own.deleted(&name);
+                    deleted += 1;
+                }
                 Err(e) if api_code(&e) == Some(404) => {}
                 Err(source) => {
                     return Err(PublishError::Api {

@@ -536,3 +536,182 @@ async fn dropped_counter_fields_stop_the_sync_and_name_the_gate() {
             .any(|s| s.pointer("/spec/devices/0/consumesCounters").is_some())
     );
 }
+
+/// The plugin's publish loop, reduced to the watch: sync whenever the watch
+/// reports a change, and at no other time (no periodic resync), so any
+/// republish seen below came from the watch. Returns the task and every
+/// report of the watch so far.
+fn publish_on_changes(
+    server: &ApiServer,
+    desired: Vec<ResourceSlice>,
+) -> (
+    tokio::task::JoinHandle<()>,
+    tokio::sync::watch::Receiver<Vec<carve_kube::Changes>>,
+) {
+    let mut p = publisher(server);
+    let mut watch = p.watch();
+    let (tx, rx) = tokio::sync::watch::channel(Vec::new());
+    let task = tokio::spawn(async move {
+        loop {
+            let changes = watch.changed().await;
+            let _ = p.sync(&desired).await.unwrap();
+            tx.send_modify(|v| v.push(changes));
+        }
+    });
+    (task, rx)
+}
+
+/// Waits until `done` holds for what the stand-in stores (10 s at most,
+/// far below the plugin's 60 s periodic resync, which does not run here).
+async fn eventually(server: &ApiServer, what: &str, done: impl Fn(&ApiServer) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done(server) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "after 10 s still waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Someone else's client (an administrator's kubectl).
+fn other_client(server: &ApiServer) -> kube::Api<ResourceSlice> {
+    kube::Api::all(server.client())
+}
+
+#[tokio::test]
+async fn a_slice_deleted_behind_the_publishers_back_is_republished_by_the_watch() {
+    let server = server().await;
+    let desired = h200_node(2);
+    let _ = publisher(&server).sync(&desired).await.unwrap();
+    let (task, mut reports) = publish_on_changes(&server, desired.clone());
+    // The watch's first list is reported (what happened before it is unknown).
+    reports.wait_for(|r| !r.is_empty()).await.unwrap();
+    assert!(reports.borrow()[0].relisted);
+    let before = stored(&server);
+    let victim = desired[1].metadata.name.clone().unwrap();
+
+    other_client(&server)
+        .delete(&victim, &Default::default())
+        .await
+        .unwrap();
+    eventually(&server, "the deleted slice republished", |s| {
+        stored(s).contains_key(&victim)
+    })
+    .await;
+    let after = stored(&server);
+    assert_eq!(
+        after.keys().collect::<Vec<_>>(),
+        before.keys().collect::<Vec<_>>()
+    );
+    // The pool lost a slice, so it was republished whole at the next generation.
+    assert!(after.values().all(|(_, _, g, _)| *g == 1), "{after:?}");
+    reports.wait_for(|r| r.len() >= 2).await.unwrap();
+    assert_eq!(reports.borrow()[1].deleted, std::slice::from_ref(&victim));
+    assert!(
+        reports.borrow()[1].applied.is_empty(),
+        "{:?}",
+        reports.borrow()
+    );
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_slice_changed_behind_the_publishers_back_is_restored_by_the_watch() {
+    let server = server().await;
+    let desired = three_slices();
+    let _ = publisher(&server).sync(&desired).await.unwrap();
+    let (task, mut reports) = publish_on_changes(&server, desired.clone());
+    reports.wait_for(|r| !r.is_empty()).await.unwrap();
+
+    // Another writer renames the device of s1.
+    let api = other_client(&server);
+    let mut s1 = api.get("s1").await.unwrap();
+    s1.spec.devices.as_mut().unwrap()[0].name = "not-carves".into();
+    let changed_rv = api
+        .replace("s1", &Default::default(), &s1)
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let device_of = |s: &ApiServer| {
+        s.store()
+            .get(Resource::ResourceSlices, None, "s1")
+            .and_then(|v| {
+                v.pointer("/spec/devices/0/name")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
+    };
+    eventually(&server, "s1 restored", |s| {
+        device_of(s).as_deref() == Some("gpu-1") && stored(s)["s1"].3 != changed_rv
+    })
+    .await;
+    reports.wait_for(|r| r.len() >= 2).await.unwrap();
+    assert_eq!(reports.borrow()[1].applied, ["s1"]);
+    task.abort();
+}
+
+#[tokio::test]
+async fn the_publishers_own_writes_are_not_reported_as_changes() {
+    let server = server().await;
+    let mut p = publisher(&server);
+    let mut watch = p.watch();
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("the watch's first list is reported");
+    assert!(first.relisted && first.applied.is_empty() && first.deleted.is_empty());
+
+    // Creates, then updates and a delete: all this publisher's own.
+    let r = p.sync(three_slices()).await.unwrap();
+    assert_eq!(r.created, 3);
+    let mut fewer = three_slices();
+    fewer.pop();
+    for s in &mut fewer {
+        s.spec.pool.resource_slice_count = 2;
+    }
+    let r = p.sync(&fewer).await.unwrap();
+    assert_eq!((r.updated, r.deleted), (2, 1));
+    // Nothing to report: the watch saw only those writes. (Waiting for a
+    // report that must not come; a broken filter reports within the settle
+    // time of 200 ms.)
+    let seen = tokio::time::timeout(Duration::from_secs(2), watch.changed()).await;
+    assert!(seen.is_err(), "own writes reported as {seen:?}");
+
+    // Someone else's write is.
+    insert(
+        &server,
+        &slice(NODE, DRIVER_NAME, "stray", 1, &[("gpu-9", "H100")]),
+    );
+    let seen = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("a stray slice is reported");
+    assert_eq!(seen.applied, ["stray"]);
+}
+
+#[tokio::test]
+async fn the_watch_ignores_other_nodes_and_drivers() {
+    let server = server().await;
+    let p = publisher(&server);
+    let mut watch = p.watch();
+    let _ = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .unwrap();
+    insert(
+        &server,
+        &slice("node-b", DRIVER_NAME, "b0", 1, &[("gpu-0", "H100")]),
+    );
+    insert(
+        &server,
+        &slice(NODE, "other.example.com", "o0", 1, &[("gpu-0", "H100")]),
+    );
+    insert(
+        &server,
+        &slice(NODE, DRIVER_NAME, "mine", 1, &[("gpu-0", "H100")]),
+    );
+    let seen = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .unwrap();
+    assert_eq!(seen.applied, ["mine"]);
+}

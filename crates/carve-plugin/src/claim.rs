@@ -23,9 +23,37 @@ impl std::fmt::Display for ClaimRef {
     }
 }
 
-/// A claim in a kubelet request with a field missing.
+/// The longest namespace the API server accepts: a DNS-1123 label.
+pub const MAX_NAMESPACE_LEN: usize = 63;
+/// The longest ResourceClaim name the API server accepts: a DNS-1123
+/// subdomain (`NameIsDNSSubdomain`).
+pub const MAX_NAME_LEN: usize = 253;
+/// The longest UID the plugin takes. The API server assigns 36-character
+/// UUIDs; the UID names the claim's CDI spec and checkpoint record.
+pub const MAX_UID_LEN: usize = 128;
+
+/// What is wrong with a field of a claim in a kubelet request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldProblem {
+    /// The field is empty.
+    Empty,
+    /// The field is longer than any the API server accepts: no such claim
+    /// can exist, so the plugin does not ask for it.
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The most allowed.
+        max: usize,
+    },
+}
+
+/// A claim in a kubelet request with a field missing or too long.
+///
+/// The message shows each field at most [`SHOWN`] bytes long (a longer one
+/// cut, with its length), so a claim with a huge field gets a short error:
+/// the kubelet takes responses of 4 MiB at most.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("claim {namespace:?}/{name:?} uid {uid:?}: field {field} is empty")]
+#[error("claim {}/{} uid {}: field {field} {}", shown(namespace), shown(name), shown(uid), describe(*problem))]
 pub struct InvalidClaim {
     /// Namespace as sent.
     pub namespace: String,
@@ -33,26 +61,57 @@ pub struct InvalidClaim {
     pub name: String,
     /// UID as sent.
     pub uid: String,
-    /// The empty field.
+    /// The offending field.
     pub field: &'static str,
+    /// What is wrong with it.
+    pub problem: FieldProblem,
+}
+
+/// How many bytes of a field an [`InvalidClaim`] message shows.
+pub const SHOWN: usize = 64;
+
+/// `s` quoted, cut to [`SHOWN`] bytes (at a character boundary) with its
+/// length when longer.
+fn shown(s: &str) -> String {
+    if s.len() <= SHOWN {
+        return format!("{s:?}");
+    }
+    let mut end = SHOWN;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}... ({} bytes)", &s[..end], s.len())
+}
+
+fn describe(p: FieldProblem) -> String {
+    match p {
+        FieldProblem::Empty => "is empty".to_string(),
+        FieldProblem::TooLong { len, max } => {
+            format!("is {len} bytes long, longer than the {max} the API server allows")
+        }
+    }
 }
 
 fn convert(namespace: String, name: String, uid: String) -> Result<ClaimRef, InvalidClaim> {
-    let field = if uid.is_empty() {
-        Some("uid")
-    } else if namespace.is_empty() {
-        Some("namespace")
-    } else if name.is_empty() {
-        Some("name")
-    } else {
-        None
+    let check = |field: &'static str, v: &str, max: usize| {
+        if v.is_empty() {
+            Some((field, FieldProblem::Empty))
+        } else if v.len() > max {
+            Some((field, FieldProblem::TooLong { len: v.len(), max }))
+        } else {
+            None
+        }
     };
-    match field {
-        Some(field) => Err(InvalidClaim {
+    let bad = check("uid", &uid, MAX_UID_LEN)
+        .or_else(|| check("namespace", &namespace, MAX_NAMESPACE_LEN))
+        .or_else(|| check("name", &name, MAX_NAME_LEN));
+    match bad {
+        Some((field, problem)) => Err(InvalidClaim {
             namespace,
             name,
             uid,
             field,
+            problem,
         }),
         None => Ok(ClaimRef {
             namespace,
@@ -205,6 +264,11 @@ mod tests {
         };
         let e = ClaimRef::try_from(c).unwrap_err();
         assert_eq!(e.field, "name");
+        assert_eq!(e.problem, FieldProblem::Empty);
+        assert_eq!(
+            e.to_string(),
+            r#"claim "ns"/"" uid "u": field name is empty"#
+        );
         let ok = ClaimRef::try_from(dra_v1beta1::Claim {
             namespace: "ns".into(),
             uid: "u".into(),
@@ -212,6 +276,65 @@ mod tests {
         })
         .unwrap();
         assert_eq!(ok.to_string(), "ns/n (u)");
+    }
+
+    #[test]
+    fn fields_longer_than_the_api_server_allows_are_refused_with_a_short_error() {
+        let claim = |ns: &str, name: &str, uid: &str| dra_v1::Claim {
+            namespace: ns.into(),
+            name: name.into(),
+            uid: uid.into(),
+        };
+        // The longest each field may be is accepted.
+        let ok = claim(
+            &"n".repeat(MAX_NAMESPACE_LEN),
+            &"c".repeat(MAX_NAME_LEN),
+            &"u".repeat(MAX_UID_LEN),
+        );
+        assert!(ClaimRef::try_from(ok).is_ok());
+        for (c, field, len, max) in [
+            (
+                claim("ns", &"c".repeat(MAX_NAME_LEN + 1), "u"),
+                "name",
+                MAX_NAME_LEN + 1,
+                MAX_NAME_LEN,
+            ),
+            (
+                claim(&"n".repeat(100), "c", "u"),
+                "namespace",
+                100,
+                MAX_NAMESPACE_LEN,
+            ),
+            (
+                claim("ns", "c", &"u".repeat(4096)),
+                "uid",
+                4096,
+                MAX_UID_LEN,
+            ),
+        ] {
+            let e = ClaimRef::try_from(c).unwrap_err();
+            assert_eq!(
+                (e.field, e.problem),
+                (field, FieldProblem::TooLong { len, max })
+            );
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!(
+                    "field {field} is {len} bytes long, longer than the {max}"
+                )),
+                "{msg}"
+            );
+            assert!(msg.contains(&format!("... ({len} bytes)")), "{msg}");
+            assert!(msg.len() < 400, "{} bytes: {msg}", msg.len());
+        }
+        // A multi-byte character at the cut is not split.
+        let wide = format!("a{}", "é".repeat(200));
+        let e = ClaimRef::try_from(claim("ns", &wide, "u")).unwrap_err();
+        let cut = format!("a{}", "é".repeat((SHOWN - 1) / 2));
+        assert!(
+            e.to_string().contains(&format!("{cut:?}... (401 bytes)")),
+            "{e}"
+        );
     }
 }
 

@@ -103,6 +103,11 @@ pub struct PluginConfig {
     pub gc_interval: Option<Duration>,
     /// Retry of `IN_USE` on unprepare.
     pub unprepare_retry: Retry,
+    /// How long one API-server call for a claim (the claim GET, the status
+    /// PATCH, the GC's GET) may take, the wait for an API permit included;
+    /// then the claim fails with an error naming the API server. Well under
+    /// the kubelet's 45 s per prepare/unprepare call (default 10 s).
+    pub api_timeout: Duration,
     /// Test hook, see [`WriteFault`]. `None` in production.
     pub write_fault: Option<WriteFault>,
     /// Where the driver records prepare/unprepare latencies and failure
@@ -149,6 +154,7 @@ impl PluginConfig {
             default_policy: GpuPolicy::Dynamic,
             gc_interval: Some(Duration::from_secs(600)),
             unprepare_retry: Retry::default(),
+            api_timeout: Duration::from_secs(10),
             write_fault: None,
             metrics: None,
             mps: None,

@@ -36,8 +36,9 @@ pub enum ClaimError {
     /// Kubelet sent a claim with an empty field.
     #[error(transparent)]
     Invalid(#[from] InvalidClaim),
-    /// The ResourceClaim does not exist.
-    #[error("ResourceClaim {namespace}/{name} not found")]
+    /// The ResourceClaim does not exist. (The message does not repeat the
+    /// claim's name: the per-claim error the kubelet gets names it once.)
+    #[error("ResourceClaim not found")]
     NotFound {
         /// Namespace.
         namespace: String,
@@ -242,14 +243,16 @@ pub enum ClaimError {
         #[source]
         source: BackendError,
     },
-    /// The API server call failed.
+    /// The API server call failed or did not answer in time
+    /// ([`PluginConfig::api_timeout`]).
     #[error("API server: {what}: {source}")]
     Kube {
-        /// What was being done.
+        /// What was being done (without the claim's name, which the
+        /// per-claim error carries once).
         what: String,
         /// The error.
         #[source]
-        source: Box<kube::Error>,
+        source: Box<crate::api::ApiFailure>,
     },
     /// The checkpoint could not be written.
     #[error(transparent)]
@@ -1144,12 +1147,25 @@ impl Driver {
         // reread): the allocation it reads is not guarded by that lock, and
         // its result is used only once the lock is held. For a claim found
         // prepared already the result is ignored (one wasted GET).
+        // A claim found prepared answers from the checkpoint without waiting
+        // for the GET (an API server that does not answer must not hold it
+        // up); any other claim waits for it, [`PluginConfig::api_timeout`]
+        // at most.
         let api: Api<ReadClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
-        let get = async {
-            let _permit = self.api_calls.acquire().await;
-            api.get_opt(&claim.name).await
+        let mut get = std::pin::pin!(crate::api::bounded(
+            &self.api_calls,
+            self.config.api_timeout,
+            api.get_opt(&claim.name),
+        ));
+        let mut host_lock = std::pin::pin!(self.host_lock());
+        let mut got = None;
+        let host = tokio::select! {
+            h = &mut host_lock => h,
+            g = &mut get => {
+                got = Some(g);
+                host_lock.await
+            }
         };
-        let (host, got) = tokio::join!(self.host_lock(), get);
         let _host = host.map_err(|source| {
             ClaimError::Checkpoint(CheckpointError::Io {
                 path: self.config.checkpoint_path.clone(),
@@ -1161,9 +1177,13 @@ impl Driver {
         {
             return Ok(Self::prepared_devices(rec));
         }
+        let got = match got {
+            Some(g) => g,
+            None => get.await,
+        };
         let rc = got
             .map_err(|e| ClaimError::Kube {
-                what: format!("get ResourceClaim {}/{}", claim.namespace, claim.name),
+                what: "get ResourceClaim".into(),
                 source: Box::new(e),
             })?
             .ok_or_else(|| ClaimError::NotFound {
@@ -1195,7 +1215,7 @@ impl Driver {
             .unwrap_or_default();
         let result = self.execute(claim, planned, &pods).await;
         if let Ok(devs) = &result {
-            self.start_status_write(api, &rc, claim).await;
+            self.start_status_write(api.clone(), &rc, claim).await;
             tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
         }
         result
@@ -1745,12 +1765,12 @@ impl Driver {
         };
         let (name, uid, label) = (claim.name.clone(), claim.uid.clone(), claim.to_string());
         let permits = self.api_calls.clone();
+        let timeout = self.config.api_timeout;
         let task = tokio::spawn(async move {
-            let _permit = permits.acquire().await;
-            if let Err(e) = api
-                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
+            let params = PatchParams::default();
+            let patch = Patch::Merge(&patch);
+            let write = api.patch_status(&name, &params, &patch);
+            if let Err(e) = crate::api::bounded(&permits, timeout, write).await {
                 tracing::warn!(claim.uid = %uid, claim = %label, error = %e, "writing device status failed; the claim stays prepared");
             }
         });
@@ -2030,14 +2050,16 @@ impl Driver {
         let mut done = Vec::new();
         for c in claims {
             let api: Api<ReadClaim> = Api::namespaced(self.client.clone(), &c.namespace);
-            let stale = match api.get_opt(&c.name).await {
-                Ok(None) => true,
-                Ok(Some(ReadClaim(rc))) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
-                Err(e) => {
-                    tracing::warn!(claim.uid = %c.uid, error = %e, "GC: reading claim failed");
-                    false
-                }
-            };
+            let get = api.get_opt(&c.name);
+            let stale =
+                match crate::api::bounded(&self.api_calls, self.config.api_timeout, get).await {
+                    Ok(None) => true,
+                    Ok(Some(ReadClaim(rc))) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
+                    Err(e) => {
+                        tracing::warn!(claim.uid = %c.uid, error = %e, "GC: reading claim failed");
+                        false
+                    }
+                };
             if stale {
                 match self.unprepare_one(&c.uid).await {
                     Ok(()) => done.push(c.uid),
@@ -3215,56 +3237,73 @@ fn destroy_devices(
     Ok(())
 }
 
+/// Dynamic GPUs of these models (`GpuModel` names) as the driver holds them,
+/// without NVML: for the plan tests and the fuzz targets.
+#[cfg(any(test, feature = "fuzzing"))]
+fn simulated_gpus(models: &[&str]) -> BTreeMap<u32, Arc<Gpu>> {
+    models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let spec = carve_model::GpuModel::find(m)
+                .expect("a known GPU model")
+                .spec();
+            let i = i as u32;
+            let info = GpuInfo {
+                index: i,
+                minor: i,
+                uuid: format!("GPU-{i}"),
+                name: spec.product_name.clone(),
+                architecture: spec.architecture,
+                cuda_compute_capability: spec.cuda_compute_capability,
+                driver_version: "580.65.06".into(),
+                pci_bus_id: String::new(),
+                memory_mib: spec.memory_mib,
+                multiprocessors: spec.multiprocessors,
+                mig_capable: spec.mig_capable,
+                mig_mode: spec.mig_capable.then_some(carve_gpu::MigMode {
+                    current: false,
+                    pending: false,
+                }),
+            };
+            (
+                i,
+                Arc::new(Gpu {
+                    physical: carve_model::PhysicalGpu {
+                        index: info.index,
+                        minor: info.minor,
+                        uuid: info.uuid.clone(),
+                        pci_bus_id: None,
+                        pcie_root: None,
+                        driver_version: "580.65.6".into(),
+                        spec: spec.clone(),
+                    },
+                    info,
+                    profiles: spec.profiles,
+                    policy: GpuPolicy::Dynamic,
+                    rt: tokio::sync::Mutex::new(GpuRuntime { mig_current: false }),
+                }),
+            )
+        })
+        .collect()
+}
+
+/// Fuzzing entry ([`crate::fuzzing`]): plan `rc` for node `node-a` with an
+/// H100, an A100 and an L4 (the validation every claim from the API server
+/// goes through before anything is made). Returns the number of devices.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn plan_on_simulated_node(rc: &ResourceClaim) -> Result<usize, ClaimError> {
+    static GPUS: std::sync::OnceLock<BTreeMap<u32, Arc<Gpu>>> = std::sync::OnceLock::new();
+    let gpus = GPUS.get_or_init(|| simulated_gpus(&["h100-80gb", "a100-40gb", "l4-24gb"]));
+    plan_claim(&PluginConfig::new("node-a"), gpus, rc).map(|p| p.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use carve_gpu::MigMode;
-    use carve_model::GpuModel;
 
     fn gpus(models: &[&str]) -> BTreeMap<u32, Arc<Gpu>> {
-        models
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let spec = GpuModel::find(m).unwrap().spec();
-                let i = i as u32;
-                let info = GpuInfo {
-                    index: i,
-                    minor: i,
-                    uuid: format!("GPU-{i}"),
-                    name: spec.product_name.clone(),
-                    architecture: spec.architecture,
-                    cuda_compute_capability: spec.cuda_compute_capability,
-                    driver_version: "580.65.06".into(),
-                    pci_bus_id: String::new(),
-                    memory_mib: spec.memory_mib,
-                    multiprocessors: spec.multiprocessors,
-                    mig_capable: spec.mig_capable,
-                    mig_mode: spec.mig_capable.then_some(MigMode {
-                        current: false,
-                        pending: false,
-                    }),
-                };
-                (
-                    i,
-                    Arc::new(Gpu {
-                        physical: carve_model::PhysicalGpu {
-                            index: info.index,
-                            minor: info.minor,
-                            uuid: info.uuid.clone(),
-                            pci_bus_id: None,
-                            pcie_root: None,
-                            driver_version: "580.65.6".into(),
-                            spec: spec.clone(),
-                        },
-                        info,
-                        profiles: spec.profiles,
-                        policy: GpuPolicy::Dynamic,
-                        rt: tokio::sync::Mutex::new(GpuRuntime { mig_current: false }),
-                    }),
-                )
-            })
-            .collect()
+        simulated_gpus(models)
     }
 
     fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {

@@ -17,6 +17,7 @@
 //! under the driver's default time-slicing scheduler: NVML offers no
 //! bare-metal time-slice policy carve could set.
 
+mod api;
 mod authority;
 mod cdi;
 mod checkpoint;
@@ -26,6 +27,8 @@ mod driver;
 mod driver_root;
 mod error;
 mod fsutil;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod health;
 mod metrics;
 mod mps;
@@ -33,6 +36,7 @@ mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use api::ApiFailure;
 pub use cdi::{
     CDI_KIND, CdiDevice, CdiError, CdiSpec, ContainerEdits as CdiContainerEdits,
     DeviceNode as CdiDeviceNode, Hook as CdiHook, Mount as CdiMount, claim_spec_path,
@@ -41,7 +45,10 @@ pub use checkpoint::{
     CHECKPOINT_API_VERSION, Checkpoint, CheckpointBody, CheckpointError, ClaimRecord, ClaimState,
     DeviceRecord, MpsShare, PreparedKind,
 };
-pub use claim::{ClaimRef, InvalidClaim, PreparedDevice, ReadClaim};
+pub use claim::{
+    ClaimRef, FieldProblem, InvalidClaim, MAX_NAME_LEN, MAX_NAMESPACE_LEN, MAX_UID_LEN,
+    PreparedDevice, ReadClaim,
+};
 pub use config::{
     ConfigError, DriverCapability, GpuConfig, GpuPolicy, MigConfig, MpsSetup, OPAQUE_API_VERSION,
     OpaqueConfig, PluginConfig, Retry, WriteFault,

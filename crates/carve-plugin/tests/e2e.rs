@@ -438,7 +438,10 @@ async fn bad_input_is_reported_per_claim_and_creates_nothing() {
             "placement 4:2 on GPU 1 is occupied by GPU instance",
         ),
         ("u-stale", "claim got replaced"),
-        ("u-nope", "ResourceClaim default/nope not found"),
+        (
+            "u-nope",
+            "claim default/nope (u-nope): ResourceClaim not found",
+        ),
     ];
     for (uid, msg) in want {
         let e = &r.claims[uid].error;

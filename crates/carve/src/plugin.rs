@@ -82,6 +82,11 @@ pub struct PluginArgs {
     /// How often NVML health events are polled (seconds).
     #[arg(long, default_value_t = 5)]
     pub health_poll_seconds: u64,
+    /// How long one API-server call for a claim (its GET, its status write)
+    /// may take before the claim fails with an error naming the API server
+    /// (seconds; well under the kubelet's 45 s per call).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=40))]
+    pub api_timeout_seconds: u64,
     /// How often the slices are re-checked against the API server (seconds).
     #[arg(long, default_value_t = 60)]
     pub resync_seconds: u64,
@@ -420,11 +425,15 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         }
         let resync = Duration::from_secs(args.resync_seconds.max(1));
         let mut stop = stop_rx.clone();
+        // Slices deleted or changed behind the plugin's back are republished
+        // as soon as the watch sees it; the periodic resync stays as a backstop.
+        let mut slice_watch = publisher.watch();
         let publish_task = tokio::spawn(async move {
             loop {
                 let tick = tokio::select! {
                     _ = stop.changed() => return,
                     r = snapshots.changed() => if r.is_err() { return } else { false },
+                    _ = slice_watch.changed() => false,
                     () = tokio::time::sleep(resync) => true,
                 };
                 if tick {
@@ -454,6 +463,7 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         cfg.pod_uid = args.pod_uid.clone();
         cfg.default_policy = args.mig_policy.default;
         cfg.gpu_policy = args.mig_policy.per_gpu.clone();
+        cfg.api_timeout = Duration::from_secs(args.api_timeout_seconds);
         cfg.gc_interval = (args.gc_interval_seconds > 0).then(|| Duration::from_secs(args.gc_interval_seconds));
         cfg.metrics = Some(metrics.clone());
         cfg.mps = mps;

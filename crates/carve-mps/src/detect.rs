@@ -106,13 +106,7 @@ impl Support {
     /// docs); a MIG instance's are [`MpsCapabilities::on_mig`] of these.
     #[must_use]
     pub fn capabilities(&self) -> MpsCapabilities {
-        MpsCapabilities {
-            memory_limit: MemoryLimit::Client,
-            compute_limit: match self.protocol {
-                Protocol::V3 => ComputeLimit::Percentage,
-                Protocol::V2 => ComputeLimit::Client,
-            },
-        }
+        capabilities(self.protocol)
     }
 
     /// The `dmem` region of the GPU at PCI bus id `pci` (any domain width, any case).
@@ -123,6 +117,21 @@ impl Support {
             .iter()
             .find(|r| r.split('/').nth(1).map(normalize_pci).as_deref() == Some(want.as_str()))
             .map(String::as_str)
+    }
+}
+
+/// The enforcement levels a whole GPU's MPS unit has under `protocol`:
+/// memory `client` either way (carve sets up no memory partitioning), compute
+/// `percentage` (the v3 namespace's active-thread ceiling) or `client` (v2's
+/// variable).
+#[must_use]
+pub fn capabilities(protocol: Protocol) -> MpsCapabilities {
+    MpsCapabilities {
+        memory_limit: MemoryLimit::Client,
+        compute_limit: match protocol {
+            Protocol::V3 => ComputeLimit::Percentage,
+            Protocol::V2 => ComputeLimit::Client,
+        },
     }
 }
 

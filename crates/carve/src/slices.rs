@@ -39,6 +39,15 @@ impl From<Order> for DeviceOrder {
     }
 }
 
+/// `carve slices --mps-protocol`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SliceMpsProtocol {
+    /// Legacy: client-applied limits.
+    V2,
+    /// A namespace per share (driver 615+).
+    V3,
+}
+
 /// `--ampere-mig-mode`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum AmpereMig {
@@ -76,6 +85,14 @@ pub struct SlicesArgs {
     /// plugin does. Hopper and later switch MIG mode on demand and publish both.
     #[arg(long, value_enum, default_value = "off")]
     pub ampere_mig_mode: AmpereMig,
+    /// Shared devices to publish besides MIG placements and whole GPUs, as
+    /// the plugin's `--sharing`: `mps`, `mig-mps`, `timeslice`.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub sharing: Vec<crate::plugin::SharingKind>,
+    /// The MPS protocol the node's control daemon speaks (decides the
+    /// enforcement levels MPS devices publish, as the plugin detects them).
+    #[arg(long, value_enum, default_value = "v3")]
+    pub mps_protocol: SliceMpsProtocol,
     /// Node name.
     #[arg(long, default_value = "sim-node")]
     pub node: String,
@@ -104,6 +121,8 @@ impl SlicesArgs {
             },
             kube_version,
             ampere_mig_mode: AmpereMig::Off,
+            sharing: Vec::new(),
+            mps_protocol: SliceMpsProtocol::V3,
             node: node.into(),
             order: Order::Carve,
             output: Output::Yaml,
@@ -149,6 +168,18 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
     let layout = KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)?;
     let mut opts = SliceOptions::new(&args.node, layout);
     opts.order = args.order.into();
+    // The plugin's rules (its `--sharing`), with the levels its MPS
+    // detection would find for the protocol.
+    use crate::plugin::SharingKind;
+    opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
+    opts.sharing.mps = args.sharing.contains(&SharingKind::Mps);
+    opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
+    if opts.sharing.mps || opts.sharing.mig_mps {
+        opts.sharing.mps_caps = Some(carve_mps::detect::capabilities(match args.mps_protocol {
+            SliceMpsProtocol::V2 => carve_mps::Protocol::V2,
+            SliceMpsProtocol::V3 => carve_mps::Protocol::V3,
+        }));
+    }
     Ok(slices::build_slices(&node, &opts)?)
 }
 

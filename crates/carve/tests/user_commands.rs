@@ -330,3 +330,36 @@ fn explain_says_when_the_unfixed_scheduler_would_refuse_a_claim_that_fits() {
     assert_eq!(empty.code, 0, "{}", empty.stderr);
     assert!(!empty.stdout.contains("#140436"), "{}", empty.stdout);
 }
+
+#[test]
+fn slices_publish_sharing_devices_as_the_plugin_would() {
+    let r = carve(&[
+        "slices",
+        "--gpus",
+        "h100-80gb:1",
+        "--sharing",
+        "mps,timeslice",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let slices: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    let devices: Vec<&serde_json::Value> = slices
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten())
+        .collect();
+    let mps = devices
+        .iter()
+        .find(|d| d["name"] == "gpu-0-mps")
+        .unwrap_or_else(|| panic!("no gpu-0-mps in {}", r.stdout));
+    let attrs = &mps["attributes"];
+    // No MPS device enforces memory hard (issue 18); v3's compute ceiling.
+    assert_eq!(attrs["mpsMemoryLimit"]["string"], "client", "{mps}");
+    assert_eq!(attrs["mpsComputeLimit"]["string"], "percentage", "{mps}");
+    assert!(devices.iter().any(|d| d["name"] == "gpu-0-ts"));
+    // Without --sharing: neither.
+    let plain = carve(&["slices", "--gpus", "h100-80gb:1", "-o", "json"]);
+    assert!(!plain.stdout.contains("gpu-0-mps") && !plain.stdout.contains("gpu-0-ts"));
+}

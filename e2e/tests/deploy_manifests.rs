@@ -1453,3 +1453,41 @@ fn admission_policy_confines_the_plugin_to_its_node_and_driver() {
         Admission::NotMatched
     );
 }
+
+/// The binary takes every flag the chart passes it: the rendered arguments,
+/// with every optional value on, are parsed by `carve` itself (`--help` at
+/// the end stops it once they parsed; an unknown or malformed flag fails
+/// before it).
+#[test]
+fn the_binary_accepts_every_flag_the_chart_renders() {
+    for values in [
+        default_values(),
+        kind_values(),
+        values_with(
+            "driverRoot: /run/nvidia/driver\nnvidiaCdiHook: /usr/bin/nvidia-cdi-hook\nlogFormat: json\nmps: {enabled: true, controlBinary: /usr/bin/nvidia-cuda-mps-control}\ntimeslice: {enabled: true}\nmigPolicy: {default: dynamic, perGpu: [{gpu: 1, policy: static}]}\n",
+        ),
+    ] {
+        let m = render_valid(&values);
+        let c = plugin_container(one(&m.daemonsets, "DaemonSet"));
+        let a = args(c);
+        assert_eq!(
+            c.command.as_deref(),
+            Some(&["/usr/local/bin/carve".to_string()][..])
+        );
+        let carve = carve_e2e::carve_binary().unwrap_or_else(|e| panic!("{e}"));
+        let out = std::process::Command::new(carve)
+            .args(&a)
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "carve {a:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("--container-driver-root"),
+            "--help of kubelet-plugin"
+        );
+    }
+}

@@ -844,21 +844,51 @@ mod tests {
             }],
         });
         st.save(&node.sim.state_file).unwrap();
+        // What the driver's proc files say of that GPU instance and its
+        // compute instance (the simulator writes them when it creates one).
+        let gi = node.sim.proc_root.join("capabilities/gpu0/mig/gi1");
+        std::fs::create_dir_all(gi.join("ci0")).unwrap();
+        std::fs::write(
+            gi.join("access"),
+            "DeviceFileMinor: 10\nDeviceFileMode: 292\n",
+        )
+        .unwrap();
+        std::fs::write(
+            gi.join("ci0/access"),
+            "DeviceFileMinor: 11\nDeviceFileMode: 292\n",
+        )
+        .unwrap();
         node
     }
 
-    fn write_spec(node: &SimNode, uid: &str, device: &str, visible: &str) {
+    /// A spec whose device has these device nodes (and, if given, env).
+    fn write_spec_with(node: &SimNode, uid: &str, device: &str, nodes: &[&str], env: &[&str]) {
+        let nodes: Vec<serde_json::Value> = nodes
+            .iter()
+            .map(|p| serde_json::json!({"path": p}))
+            .collect();
         let spec = serde_json::json!({
             "cdiVersion": "0.5.0",
             "kind": CDI_KIND,
             "devices": [{"name": format!("{uid}-{device}"),
-                         "containerEdits": {"env": [format!("NVIDIA_VISIBLE_DEVICES={visible}")]}}],
+                         "containerEdits": {"env": env, "deviceNodes": nodes}}],
         });
         std::fs::write(
             claim_spec_path(&node.cdi_dir, uid),
             serde_json::to_vec(&spec).unwrap(),
         )
         .unwrap();
+    }
+
+    /// The nodes of the instance at slice 3: the GPU, its GI and CI caps.
+    const MIG_NODES: [&str; 3] = [
+        "/dev/nvidia0",
+        "/dev/nvidia-caps/nvidia-cap10",
+        "/dev/nvidia-caps/nvidia-cap11",
+    ];
+
+    fn write_spec(node: &SimNode, uid: &str, device: &str) {
+        write_spec_with(node, uid, device, &MIG_NODES, &[]);
     }
 
     fn prepared(uid: &str, device: &str) -> Prepared {
@@ -873,7 +903,7 @@ mod tests {
         let node = node_with_one_instance();
         let dev = "gpu-0-mig-1g10gb-3";
         let alloc = [dev.to_string()];
-        write_spec(&node, "u1", dev, "MIG-x");
+        write_spec(&node, "u1", dev);
         check_prepared(&node, "u1", &alloc, &prepared("u1", dev)).unwrap();
 
         let err = |r: Result<(), E2eError>| r.unwrap_err().to_string();
@@ -887,7 +917,7 @@ mod tests {
         assert!(e.contains("allocated"), "{e}");
         // No instance at the placement.
         let other = "gpu-0-mig-1g10gb-4";
-        write_spec(&node, "u2", other, "MIG-x");
+        write_spec(&node, "u2", other);
         let e = err(check_prepared(
             &node,
             "u2",
@@ -898,10 +928,31 @@ mod tests {
             e.contains("no GPU instance of 1g.10gb") && e.contains("slice 4"),
             "{e}"
         );
-        // The container would see another device.
-        write_spec(&node, "u3", dev, "MIG-y");
+        // The container would see another device (another CI's capability).
+        write_spec_with(
+            &node,
+            "u3",
+            dev,
+            &[
+                "/dev/nvidia0",
+                "/dev/nvidia-caps/nvidia-cap10",
+                "/dev/nvidia-caps/nvidia-cap12",
+            ],
+            &[],
+        );
         let e = err(check_prepared(&node, "u3", &alloc, &prepared("u3", dev)));
-        assert!(e.contains("MIG-y"), "{e}");
+        assert!(e.contains("nvidia-cap12"), "{e}");
+        // A per-device visible-devices variable (two devices in one container
+        // would overwrite each other's).
+        write_spec_with(
+            &node,
+            "u5",
+            dev,
+            &MIG_NODES,
+            &["NVIDIA_VISIBLE_DEVICES=MIG-x"],
+        );
+        let e = err(check_prepared(&node, "u5", &alloc, &prepared("u5", dev)));
+        assert!(e.contains("sets NVIDIA_VISIBLE_DEVICES=MIG-x"), "{e}");
         // No CDI spec.
         let e = err(check_prepared(&node, "u4", &alloc, &prepared("u4", dev)));
         assert!(e.contains("CDI spec"), "{e}");

@@ -302,18 +302,7 @@ impl ChurnReport {
     /// # Errors
     /// The folder is not writable; `path` is then left untouched.
     pub fn write_csv(&self, path: &Path) -> Result<(), FragError> {
-        let werr = |source: std::io::Error| FragError::Write {
-            path: path.to_path_buf(),
-            source,
-        };
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let tmp = tempfile::NamedTempFile::new_in(dir).map_err(werr)?;
-        {
-            let cerr = |e: csv::Error| werr(std::io::Error::other(e));
-            let mut w = csv::Writer::from_writer(std::io::BufWriter::new(tmp.as_file()));
+        crate::csvout::write_atomically(path, |w| {
             w.write_record([
                 "policy",
                 "rho",
@@ -325,8 +314,7 @@ impl ChurnReport {
                 "accepted_compute_slices",
                 "mean_unallocated_compute_pct",
                 "mean_stranded_compute_pct",
-            ])
-            .map_err(cerr)?;
+            ])?;
             for r in &self.rows {
                 w.write_record([
                     r.policy.label().to_string(),
@@ -339,14 +327,10 @@ impl ChurnReport {
                     r.accepted_compute.to_string(),
                     format!("{:.4}", r.mean_unallocated_pct),
                     format!("{:.4}", r.mean_stranded_pct),
-                ])
-                .map_err(cerr)?;
+                ])?;
             }
-            w.flush().map_err(werr)?;
-        }
-        tmp.as_file().sync_all().map_err(werr)?;
-        tmp.persist(path).map_err(|e| werr(e.error))?;
-        Ok(())
+            Ok(())
+        })
     }
 }
 

@@ -15,6 +15,7 @@
 
 pub mod bench;
 pub mod churn;
+mod csvout;
 pub mod error;
 pub mod mapping;
 pub mod optimum;

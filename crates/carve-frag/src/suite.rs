@@ -273,22 +273,10 @@ impl SuiteReport {
     /// # Errors
     /// The destination cannot be written; it is then left as it was.
     pub fn write_csv(&self, path: &Path) -> Result<(), FragError> {
-        let werr = |source: std::io::Error| FragError::Write {
-            path: path.to_path_buf(),
-            source,
-        };
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let tmp = tempfile::NamedTempFile::new_in(dir).map_err(werr)?;
-        {
-            let cerr = |e: csv::Error| werr(std::io::Error::other(e));
-            let mut w = csv::Writer::from_writer(std::io::BufWriter::new(tmp.as_file()));
+        crate::csvout::write_atomically(path, |w| {
             w.write_record([
                 "section", "trace", "shape", "scoring", "policy", "seed", "metric", "value",
-            ])
-            .map_err(cerr)?;
+            ])?;
             for (trace, r) in &self.nodes {
                 for (k, &seed) in r.seeds.iter().enumerate() {
                     let cap = r.capacity as f64;
@@ -302,8 +290,7 @@ impl SuiteReport {
                         &seed.to_string(),
                         "accepted_pct",
                         &format!("{:.4}", 100.0 * f64::from(opt) / cap),
-                    ])
-                    .map_err(cerr)?;
+                    ])?;
                     for (p, v) in &r.policies {
                         w.write_record([
                             "node",
@@ -314,8 +301,7 @@ impl SuiteReport {
                             &seed.to_string(),
                             "gap_points",
                             &format!("{:.4}", 100.0 * f64::from(opt.saturating_sub(v[k])) / cap),
-                        ])
-                        .map_err(cerr)?;
+                        ])?;
                     }
                 }
             }
@@ -348,17 +334,13 @@ impl SuiteReport {
                                 &seed,
                                 &m,
                                 &format!("{v:.4}"),
-                            ])
-                            .map_err(cerr)?;
+                            ])?;
                         }
                     }
                 }
             }
-            w.flush().map_err(werr)?;
-        }
-        tmp.as_file().sync_all().map_err(werr)?;
-        tmp.persist(path).map_err(|e| werr(e.error))?;
-        Ok(())
+            Ok(())
+        })
     }
 }
 

@@ -22,6 +22,11 @@ fn carve(args: &[&str]) -> Run {
     }
 }
 
+/// `carve explain CLAIM --simulate-gpus GPUS`.
+fn explain(claim: &str, gpus: &str) -> Run {
+    carve(&["explain", claim, "--simulate-gpus", gpus])
+}
+
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
@@ -47,12 +52,7 @@ fn a_typo_in_a_claim_is_an_error_naming_the_field_not_a_fit() {
         "typo.yaml",
         &MIG_CLAIM.replace("SELECTORS", "selector"),
     );
-    let r = carve(&[
-        "explain",
-        p.to_str().unwrap(),
-        "--simulate-gpus",
-        "a100-40gb:1",
-    ]);
+    let r = explain(p.to_str().unwrap(), "a100-40gb:1");
     assert_ne!(r.code, 0, "{}", r.stdout);
     assert!(r.stdout.is_empty(), "{}", r.stdout);
     assert!(
@@ -67,12 +67,7 @@ fn a_typo_in_a_claim_is_an_error_naming_the_field_not_a_fit() {
         "ok.yaml",
         &MIG_CLAIM.replace("SELECTORS", "selectors"),
     );
-    let r = carve(&[
-        "explain",
-        ok.to_str().unwrap(),
-        "--simulate-gpus",
-        "a100-40gb:1",
-    ]);
+    let r = explain(ok.to_str().unwrap(), "a100-40gb:1");
     assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("does not fit"), "{}", r.stdout);
 }
@@ -175,12 +170,7 @@ fn the_template_that_advise_prints_can_be_explained() {
     assert!(yaml.contains("kind: ResourceClaimTemplate"), "{yaml}");
     let dir = tempfile::tempdir().unwrap();
     let p = write(dir.path(), "t.yaml", yaml);
-    let r = carve(&[
-        "explain",
-        p.to_str().unwrap(),
-        "--simulate-gpus",
-        "h100-80gb:1",
-    ]);
+    let r = explain(p.to_str().unwrap(), "h100-80gb:1");
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("fits on node"), "{}", r.stdout);
 }
@@ -321,12 +311,7 @@ fn explain_says_when_the_unfixed_scheduler_would_refuse_a_claim_that_fits() {
         r.stdout
     );
     // On the empty node nothing is rejected on the constraint: no note.
-    let empty = carve(&[
-        "explain",
-        &example("mig-same-parent"),
-        "--simulate-gpus",
-        "h100-80gb:2",
-    ]);
+    let empty = explain(&example("mig-same-parent"), "h100-80gb:2");
     assert_eq!(empty.code, 0, "{}", empty.stderr);
     assert!(!empty.stdout.contains("#140436"), "{}", empty.stdout);
 }

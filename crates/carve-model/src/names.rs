@@ -49,15 +49,11 @@ impl ProfileToken {
     /// The profile name this token stands for.
     #[must_use]
     pub fn profile_name(&self) -> String {
-        let s = &self.0;
-        let g = s.find('g').unwrap_or(0);
-        let gb = s[g + 1..].find("gb").map_or(s.len(), |i| i + g + 1);
-        let tok = &s[(gb + 2).min(s.len())..];
-        let suffix = SUFFIXES
-            .iter()
-            .find(|(_, t)| *t == tok)
-            .map_or("", |(s, _)| *s);
-        format!("{}g.{}gb{}", &s[..g], &s[g + 1..gb], suffix)
+        // Every token is built by `from_profile_name` or checked by `parse`,
+        // so it always splits.
+        split_token(&self.0).map_or_else(String::new, |(g, mem, suffix)| {
+            format!("{g}g.{mem}gb{suffix}")
+        })
     }
 
     /// The token text.
@@ -66,10 +62,27 @@ impl ProfileToken {
         &self.0
     }
 
+    /// A token as it appears in a device name: `<n>g<m>gb<suffix token>`, in
+    /// the one spelling `from_profile_name` gives (no leading zeros).
     fn parse(tok: &str) -> Option<Self> {
-        let t = Self(tok.to_string());
-        (Self::from_profile_name(&t.profile_name()).as_ref() == Some(&t)).then_some(t)
+        let (g, mem, suffix) = split_token(tok)?;
+        let t = Self::from_profile_name(&format!("{g}g.{mem}gb{suffix}"))?;
+        let canonical = t.0 == tok && num::<u32>(g).is_some() && num::<u32>(mem).is_some();
+        canonical.then_some(t)
     }
+}
+
+/// `<n>g<m>gb<suffix token>` into (n, m, profile suffix); `None` for anything
+/// else, whatever the bytes.
+fn split_token(tok: &str) -> Option<(&str, &str, &'static str)> {
+    let (g, rest) = tok.split_once('g')?;
+    let (mem, suffix_tok) = rest.split_once("gb")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(g) || !digits(mem) {
+        return None;
+    }
+    let (suffix, _) = SUFFIXES.iter().find(|(_, t)| *t == suffix_tok)?;
+    Some((g, mem, suffix))
 }
 
 /// A parsed device name.
@@ -273,6 +286,19 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Any string parses or is refused, never panics; what parses prints
+        /// back as itself.
+        #[test]
+        fn any_name_parses_or_is_refused(tail in "[-a-z0-9.+\u{e9}]{0,24}") {
+            for name in [format!("gpu-0-mig-{tail}"), format!("gpu-{tail}"), tail.clone()] {
+                if let Ok(d) = name.parse::<DeviceName>() {
+                    proptest::prop_assert_eq!(d.to_string(), name);
+                }
+            }
+        }
+    }
+
     #[test]
     fn mig_name_parses_to_placement() {
         let d: DeviceName = "gpu-4-mig-3g40gb-4".parse().unwrap();
@@ -294,6 +320,17 @@ mod tests {
             "gpu-0-mig-1g10gbzz-1",
             "node-0",
             "gpu-0-foo",
+            // Malformed profile tokens (the first was found by cargo fuzz:
+            // an empty token once panicked).
+            "gpu-0-mig--13",
+            "gpu-0-mig-g-1",
+            "gpu-0-mig-1g-1",
+            "gpu-0-mig-1ggb-1",
+            "gpu-0-mig-gb-1",
+            "gpu-0-mig-01g10gb-1",
+            "gpu-0-mig-1g010gb-1",
+            "gpu-0-mig-1g10gbgb-1",
+            "gpu-0-mig-\u{e9}g10gb-1",
         ] {
             let e = n.parse::<DeviceName>().unwrap_err();
             assert_eq!(e.name, n);

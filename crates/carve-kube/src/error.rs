@@ -106,12 +106,34 @@ pub enum PublishError {
         #[source]
         source: kube::Error,
     },
+    /// One API request got no answer within the publisher's request timeout
+    /// (the API server is hung, overloaded or unreachable). The sync stopped
+    /// there; the next one starts from a fresh list.
+    #[error(
+        "{verb} ResourceSlice {slice}: no answer within {after:?} (the API server is hung, overloaded or unreachable)"
+    )]
+    Timeout {
+        /// The verb of the request that ran out.
+        verb: Verb,
+        /// `metadata.name` of the slice (for a list, which slices).
+        slice: String,
+        /// The request timeout.
+        after: std::time::Duration,
+    },
     /// `GET /version` failed.
     #[error("read the API server version")]
     Version {
         /// The client error.
         #[source]
         source: kube::Error,
+    },
+    /// `GET /version` got no answer within the request timeout.
+    #[error(
+        "read the API server version: no answer within {after:?} (the API server is hung, overloaded or unreachable)"
+    )]
+    VersionTimeout {
+        /// The request timeout.
+        after: std::time::Duration,
     },
     /// `GET /version` answered, but its `major`/`minor` (and `gitVersion`) fields
     /// do not hold a version number.
@@ -134,6 +156,8 @@ impl PublishError {
             | PublishError::Version { source } => api_code(source),
             PublishError::InvalidDesired { .. }
             | PublishError::BadVersion { .. }
+            | PublishError::Timeout { .. }
+            | PublishError::VersionTimeout { .. }
             | PublishError::CountersDropped { .. }
             | PublishError::FieldsDropped { .. } => None,
         }

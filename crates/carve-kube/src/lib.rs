@@ -24,6 +24,6 @@ pub mod watch;
 pub use dropped::{Dropped, FeatureGate, dropped_fields};
 pub use error::{PublishError, Verb};
 pub use layout_watch::{VersionChange, VersionWatch, skew_warning};
-pub use publish::{ConflictRetry, SlicePublisher, SyncReport};
+pub use publish::{ConflictRetry, DEFAULT_REQUEST_TIMEOUT, SlicePublisher, SyncReport};
 pub use version::{parse_version, server_version};
 pub use watch::{Changes, SliceWatch, WatchPacing};

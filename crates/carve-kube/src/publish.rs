@@ -91,8 +91,13 @@ pub struct SlicePublisher {
     node_name: String,
     driver: String,
     retry: ConflictRetry,
+    request_timeout: Duration,
     own: OwnWrites,
 }
+
+/// How long one API request of the publisher may take by default (see
+/// [`SlicePublisher::with_request_timeout`]).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl fmt::Debug for SlicePublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -100,6 +105,7 @@ impl fmt::Debug for SlicePublisher {
             .field("node_name", &self.node_name)
             .field("driver", &self.driver)
             .field("retry", &self.retry)
+            .field("request_timeout", &self.request_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -124,7 +130,40 @@ impl SlicePublisher {
             node_name: node_name.into(),
             driver: driver.into(),
             retry: ConflictRetry::default(),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             own: OwnWrites::default(),
+        }
+    }
+
+    /// Bounds each API request (a list page, a create, an update, a delete)
+    /// to `timeout` ([`DEFAULT_REQUEST_TIMEOUT`] unless set). The kube client
+    /// has no read timeout of its own, so without this an API server that
+    /// accepts the connection and never answers would hold a sync, and the
+    /// plugin's start before it registers with the kubelet, forever. A request
+    /// that runs out fails the sync with [`PublishError::Timeout`]; whether a
+    /// write that timed out was applied is unknown, and the next sync starts
+    /// from a fresh list, so it does not matter.
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// `call`, bounded by the request timeout; `Err(None)` when it ran out.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, kube::Error>>,
+    ) -> Result<T, Option<kube::Error>> {
+        match tokio::time::timeout(self.request_timeout, call).await {
+            Ok(r) => r.map_err(Some),
+            Err(_) => Err(None),
+        }
+    }
+
+    fn timed_out(&self, verb: Verb, slice: impl Into<String>) -> PublishError {
+        PublishError::Timeout {
+            verb,
+            slice: slice.into(),
+            after: self.request_timeout,
         }
     }
 
@@ -177,14 +216,17 @@ impl SlicePublisher {
         let mut params = ListParams::default().fields(&selector).limit(500);
         let mut out = Vec::new();
         loop {
-            let list = api
-                .list(&params)
-                .await
-                .map_err(|source| PublishError::List {
+            let list = self.bounded(api.list(&params)).await.map_err(|e| match e {
+                Some(source) => PublishError::List {
                     node: self.node_name.clone(),
                     driver: self.driver.clone(),
                     source,
-                })?;
+                },
+                None => self.timed_out(
+                    Verb::List,
+                    format!("(all of driver {} on node {})", self.driver, self.node_name),
+                ),
+            })?;
             out.extend(list.items.into_iter().filter(|s| {
                 s.driver == self.driver && s.node_name.as_deref() == Some(self.node_name.as_str())
             }));
@@ -278,39 +320,57 @@ impl SlicePublisher {
                 Step::Create(write) => {
                     let slice = write.to_slice();
                     let name = write.name().to_owned();
-                    match api.create(&PostParams::default(), &slice).await {
+                    match self
+                        .bounded(api.create(&PostParams::default(), &slice))
+                        .await
+                    {
                         Ok(stored) => {
                             self.own.written(&stored);
                             check_counters_kept(Verb::Create, &slice, &stored)?;
                             report.created += 1;
                         }
-                        Err(e) => return Err(classify(Verb::Create, name, e, false)),
+                        Err(Some(e)) => return Err(classify(Verb::Create, name, e, false)),
+                        Err(None) => {
+                            return Err(PassError::Fatal(self.timed_out(Verb::Create, name)));
+                        }
                     }
                     tracing::debug!(node = %self.node_name, slice = %name, generation = slice.spec.pool.generation, "created ResourceSlice");
                 }
                 Step::Update(write) => {
                     let slice = write.to_slice();
                     let name = write.name().to_owned();
-                    match api.replace(&name, &PostParams::default(), &slice).await {
+                    match self
+                        .bounded(api.replace(&name, &PostParams::default(), &slice))
+                        .await
+                    {
                         Ok(stored) => {
                             self.own.written(&stored);
                             check_counters_kept(Verb::Update, &slice, &stored)?;
                             report.updated += 1;
                         }
                         // Deleted since the list: re-list and create it.
-                        Err(e) => return Err(classify(Verb::Update, name, e, true)),
+                        Err(Some(e)) => return Err(classify(Verb::Update, name, e, true)),
+                        Err(None) => {
+                            return Err(PassError::Fatal(self.timed_out(Verb::Update, name)));
+                        }
                     }
                     tracing::debug!(node = %self.node_name, slice = %name, generation = slice.spec.pool.generation, "updated ResourceSlice");
                 }
                 Step::Delete(name) => {
-                    match api.delete(&name, &DeleteParams::default()).await {
+                    match self
+                        .bounded(api.delete(&name, &DeleteParams::default()))
+                        .await
+                    {
                         Ok(_) => {
                             self.own.deleted(&name);
                             report.deleted += 1;
                         }
                         // Already gone: that is what we wanted.
-                        Err(e) if api_code(&e) == Some(404) => {}
-                        Err(e) => return Err(classify(Verb::Delete, name, e, false)),
+                        Err(Some(e)) if api_code(&e) == Some(404) => {}
+                        Err(Some(e)) => return Err(classify(Verb::Delete, name, e, false)),
+                        Err(None) => {
+                            return Err(PassError::Fatal(self.timed_out(Verb::Delete, name)));
+                        }
                     }
                     tracing::debug!(node = %self.node_name, slice = %name, "deleted ResourceSlice");
                 }
@@ -327,19 +387,23 @@ impl SlicePublisher {
         let mut deleted = 0;
         for slice in self.existing().await? {
             let name = slice.name().to_owned();
-            match api.delete(&name, &DeleteParams::default()).await {
+            match self
+                .bounded(api.delete(&name, &DeleteParams::default()))
+                .await
+            {
                 Ok(_) => {
                     self.own.deleted(&name);
                     deleted += 1;
                 }
-                Err(e) if api_code(&e) == Some(404) => {}
-                Err(source) => {
+                Err(Some(e)) if api_code(&e) == Some(404) => {}
+                Err(Some(source)) => {
                     return Err(PublishError::Api {
                         verb: Verb::Delete,
                         slice: name,
                         source,
                     });
                 }
+                Err(None) => return Err(self.timed_out(Verb::Delete, name)),
             }
         }
         Ok(deleted)

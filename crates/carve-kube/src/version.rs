@@ -10,10 +10,13 @@ use crate::error::PublishError;
 ///
 /// `minor` may carry a suffix (`"35+"` on managed clusters); it is ignored.
 /// When `major`/`minor` are empty, `gitVersion` (`"v1.35.2-eks-..."`) is used.
+/// The request gets [`crate::DEFAULT_REQUEST_TIMEOUT`] (the kube client has
+/// no read timeout of its own).
 pub async fn server_version(client: &Client) -> Result<(u32, u32), PublishError> {
-    let info = client
-        .apiserver_version()
+    let after = crate::DEFAULT_REQUEST_TIMEOUT;
+    let info = tokio::time::timeout(after, client.apiserver_version())
         .await
+        .map_err(|_| PublishError::VersionTimeout { after })?
         .map_err(|source| PublishError::Version { source })?;
     parse_version(&info)
 }

@@ -365,6 +365,66 @@ async fn persistent_server_error_names_slice_and_verb() {
     assert_eq!((report.updated, report.generation), (3, Some(1)));
 }
 
+/// An API server that takes a request and does not answer (here: answers
+/// only after a minute) fails the sync after the request timeout, naming the
+/// verb and slice, instead of holding it; the next sync, once the server
+/// answers again, finishes the job.
+#[tokio::test]
+async fn a_request_without_an_answer_times_out_naming_verb_and_slice() {
+    const SHORT: Duration = Duration::from_millis(200);
+    let server = server().await;
+    let mut p = publisher(&server).with_request_timeout(SHORT);
+    let _ = p.sync(three_slices()).await.unwrap();
+
+    // A write that hangs.
+    server.inject(Fault::DelayNext {
+        count: 1,
+        delay: Duration::from_secs(60),
+        writes_only: true,
+        resource: Some("resourceslices".into()),
+    });
+    let mut desired = three_slices();
+    desired[1] = slice(NODE, DRIVER_NAME, "s1", 3, &[("gpu-1", "A100")]);
+    let e = p.sync(desired.clone()).await.unwrap_err();
+    assert!(
+        matches!(&e, PublishError::Timeout { verb: Verb::Update, slice, after } if slice == "s0" && *after == SHORT),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "update ResourceSlice s0: no answer within 200ms (the API server is hung, overloaded or unreachable)"
+    );
+
+    // A list that hangs.
+    server.inject(Fault::DelayNext {
+        count: 1,
+        delay: Duration::from_secs(60),
+        writes_only: false,
+        resource: Some("resourceslices".into()),
+    });
+    let e = p.sync(desired.clone()).await.unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            PublishError::Timeout {
+                verb: Verb::List,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains(&format!("driver {DRIVER_NAME} on node {NODE}")),
+        "{e}"
+    );
+
+    // Answers again: the next sync finishes.
+    server.clear_faults();
+    let report = p.sync(desired).await.unwrap();
+    assert_eq!(report.updated, 3);
+}
+
 #[tokio::test]
 async fn other_nodes_and_drivers_are_never_touched() {
     let server = server().await;

@@ -84,7 +84,8 @@ pub struct PluginArgs {
     pub health_poll_seconds: u64,
     /// How long one API-server call for a claim (its GET, its status write)
     /// may take before the claim fails with an error naming the API server
-    /// (seconds; well under the kubelet's 45 s per call).
+    /// (seconds; well under the kubelet's 45 s per call); also bounds each
+    /// ResourceSlice request of the publisher, which then retries.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=40))]
     pub api_timeout_seconds: u64,
     /// How often the slices are re-checked against the API server (seconds).
@@ -412,7 +413,8 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         // the layout of the API server's current version): a resync with
         // nothing changed makes no API write.
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let mut publisher = carve_kube::SlicePublisher::new(client.clone(), args.node_name.clone(), carve_model::DRIVER_NAME);
+        let mut publisher = carve_kube::SlicePublisher::new(client.clone(), args.node_name.clone(), carve_model::DRIVER_NAME)
+            .with_request_timeout(Duration::from_secs(args.api_timeout_seconds));
         let mut snapshots = health.subscribe();
         let mut current = Published { version, base: Arc::new(desired) };
         let first = current.tainted(&snapshots.borrow_and_update());

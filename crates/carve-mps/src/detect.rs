@@ -64,6 +64,14 @@ pub struct MpsConfig {
     pub protocol: ProtocolChoice,
     /// Bound on every wait: daemon readiness, commands, exit after quit.
     pub timeout: Duration,
+    /// The executable that starts a unit's daemon with the unit's tmpfs as
+    /// its `/dev/shm` ([`crate::shm::exec_main`] behind
+    /// [`crate::shm::EXEC_FLAG`]; the `carve` binary in the plugin), so that
+    /// the MPS server and the share's containers share `/dev/shm`
+    /// ([`crate::shm`]). `None`: no tmpfs, no `/dev/shm` mount in the shares'
+    /// edits; the daemon keeps the plugin's `/dev/shm`, which a workload
+    /// container does not see, so a real MPS client cannot use the server.
+    pub shm_launcher: Option<PathBuf>,
 }
 
 impl MpsConfig {
@@ -78,6 +86,7 @@ impl MpsConfig {
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             protocol: ProtocolChoice::Auto,
             timeout: Duration::from_secs(10),
+            shm_launcher: None,
         }
     }
 

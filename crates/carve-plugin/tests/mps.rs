@@ -487,6 +487,7 @@ fn nix_kill(pid: u32) {
         .status()
         .unwrap();
     assert!(st.success());
+    carve_mps::fake::remove_shm_of(pid);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,9 +1,19 @@
 //! `carve-fake-mps-control`: the test stand-in for `nvidia-cuda-mps-control`
 //! ([`carve_mps::fake`]), as a binary of its own for the tests of this crate.
+//! Run as `carve-fake-mps-control --carve-mps-shm-exec …` it is the MPS
+//! launcher instead ([`carve_mps::shm::exec_main`]), as the `carve` binary is
+//! in the plugin, so tests can use it as [`carve_mps::MpsConfig::shm_launcher`].
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    if args.first().is_some_and(|a| a == carve_mps::shm::EXEC_FLAG) {
+        return carve_mps::shm::exec_main(&args[1..]);
+    }
+    let args: Vec<String> = args
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     carve_mps::fake::run(&args)
 }

@@ -8,12 +8,5 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    if args.first().is_some_and(|a| a == carve_mps::shm::EXEC_FLAG) {
-        return carve_mps::shm::exec_main(&args[1..]);
-    }
-    let args: Vec<String> = args
-        .into_iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
-    carve_mps::fake::run(&args)
+    carve_mps::fake::main(&args)
 }

@@ -129,6 +129,10 @@ impl Support {
     }
 }
 
+/// Why no MPS unit's memory limit is `hard` (module docs), for the error of
+/// a claim that demands `hard`.
+pub const WHY_MEMORY_IS_CLIENT: &str = "no MPS memory limit carve sets holds against the workload: a v3 namespace's pinned limit is applied by the CUDA client and a tenant can escape it (NVIDIA Dynamo measured it), a v2 limit is the client's own variable; the hard limit, NVIDIA's memory partitioning set through nvidia-smi memory-limits or NVML on a whole non-MIG GPU, is not set up by carve (and never applies to MIG)";
+
 /// The enforcement levels a whole GPU's MPS unit has under `protocol`:
 /// memory `client` either way (carve sets up no memory partitioning), compute
 /// `percentage` (the v3 namespace's active-thread ceiling) or `client` (v2's

@@ -709,6 +709,11 @@ async fn demand_hard(protocol: ProtocolChoice) {
         e.contains("requires memoryLimit hard") && e.contains("enforces client"),
         "{e}"
     );
+    // The reason is the true one: escapable client limits, no partitioning.
+    assert!(
+        e.contains("can escape it") && e.contains("memory partitioning"),
+        "{e}"
+    );
     assert!(e.contains("gpu-0-mps"), "{e}");
     ok(&out, "u-client");
     let log = fake_log(&node, "gpu-0-mps");

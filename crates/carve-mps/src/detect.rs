@@ -8,11 +8,17 @@
 //! [IF]). A binary that rejects `-p 3` is v2; one that does not exist is "MPS
 //! not installed". (`-v` prints a version only on Tegra, so it is not used.)
 //!
-//! Releases 615 and 620 are not told apart: where they differ (620 routes the
-//! main socket by cgroup and has `cgroup` namespace keys in its configuration
-//! file), the CLI spelling of 620's cgroup binding is not documented in what
-//! was read, so carve binds no namespace to a cgroup on either release and
-//! drives both with the 615 CLI.
+//! Releases 615 and 620 are not told apart, because nothing carve does
+//! behaves differently on them. What NVIDIA documents as different, in what
+//! was read of 620 (`mps-v3.md` 1.5): (1) the main daemon socket routes a
+//! client by its cgroup or UID (615: by UID only) — carve never gives a pod
+//! the main socket, only its namespace's directory, whose socket routes to
+//! that namespace on both [NS], [NS620]; (2) the configuration file's
+//! namespace tables take `cgroup`, `cgroup_depth` and per-device
+//! `sm_partition` (615 rejects any key but three) — carve applies no file
+//! (`-a`); (3) per-device SM partitions in namespaces — carve creates none.
+//! 620's command-line spelling for a cgroup binding, the one difference carve
+//! could use, is not in what was read, so carve drives both with the 615 CLI.
 //!
 //! Enforcement published ([`Support::capabilities`]): memory is `client`
 //! on every unit. A v3 namespace's pinned limit is applied by the CUDA client

@@ -103,6 +103,15 @@ impl Drop for Node {
                 .status();
             carve_mps::fake::remove_shm_of(pid);
         }
+        // A test that failed midway may leave a unit's tmpfs mounted.
+        if let Ok(rd) = std::fs::read_dir(self.cfg.mps_root()) {
+            for e in rd.flatten() {
+                let shm = e.path().join("shm");
+                if carve_mps::shm::mounted_fs(&shm).is_some() {
+                    let _ = Command::new("umount").arg("-l").arg(&shm).status();
+                }
+            }
+        }
     }
 }
 

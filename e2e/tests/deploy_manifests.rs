@@ -995,6 +995,8 @@ fn mps_and_per_gpu_policy_render_flags() {
         mount.mount_path, "/run/carve/mps",
         "mounted at the host's path"
     );
+    // The units' /dev/shm tmpfs, mounted by the plugin, must reach the host.
+    assert_eq!(mount.mount_propagation.as_deref(), Some("Bidirectional"));
 }
 
 /// Helm's own linter, strict (warnings are errors), finds nothing.

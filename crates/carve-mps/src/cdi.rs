@@ -15,11 +15,11 @@
 //! and the per-share limits as client variables (which the workload can
 //! change: `client` enforcement).
 //!
-//! Not done: a `/dev/shm` shared by the share's clients and the MPS server.
-//! The server is started by the control daemon inside the plugin container,
-//! so a directory mounted as the pod's `/dev/shm` would not be the server's;
-//! arranging that needs the daemon started in a mount namespace of its own
-//! (see the README's MPS section).
+//! Both: where the unit's daemon was started with a tmpfs of its own as
+//! `/dev/shm` ([`crate::shm`]), that tmpfs bind-mounted at `/dev/shm`, with
+//! the options NVIDIA's DRA driver gives it (`rw,nosuid,nodev,bind`,
+//! `GetCDIContainerEdits` in `cmd/gpu-kubelet-plugin/sharing.go`): the MPS
+//! server and its clients meet there as well as in the pipe directory.
 
 use std::path::{Path, PathBuf};
 
@@ -69,11 +69,15 @@ pub fn share_cdi_name(claim_uid: &str, share_id: &str) -> String {
 }
 
 const OPTIONS: [&str; 4] = ["rbind", "rw", "nosuid", "nodev"];
+/// NVIDIA DRA driver's options of the `/dev/shm` bind mount (`sharing.go`).
+const SHM_OPTIONS: [&str; 4] = ["rw", "nosuid", "nodev", "bind"];
 
-/// Container edits for a share (see the module docs).
+/// Container edits for a share (see the module docs); `shm`: the unit's
+/// tmpfs, where its daemon has it as `/dev/shm`.
 #[must_use]
 pub fn share_edits(
     pipe: &SharePipe,
+    shm: Option<&Path>,
     uuid: &str,
     limits: &MpsLimits,
     claim_uid: &str,
@@ -104,10 +108,18 @@ pub fn share_edits(
             ],
         ),
     };
+    let mut mounts = vec![mount(host, container)];
+    if let Some(shm) = shm {
+        mounts.push(Mount {
+            host_path: shm.to_path_buf(),
+            container_path: crate::shm::DEV_SHM.to_string(),
+            options: SHM_OPTIONS.iter().map(|s| (*s).to_string()).collect(),
+        });
+    }
     ShareEdits {
         cdi_name: share_cdi_name(claim_uid, share_id),
         env,
-        mounts: vec![mount(host, container)],
+        mounts,
     }
 }
 
@@ -133,6 +145,7 @@ mod tests {
     fn v2_sets_the_limit_variables_on_the_daemon_directory() {
         let e = share_edits(
             &SharePipe::Daemon("/s/pipe".into()),
+            None,
             "GPU-1",
             &L,
             "c1",
@@ -153,8 +166,22 @@ mod tests {
     #[test]
     fn v3_mounts_only_the_namespace_directory_at_its_own_path() {
         let ns = PathBuf::from("/s/pipe/carve/c_0123456789abcdef");
-        let a = share_edits(&SharePipe::Namespace(ns.clone()), "GPU-1", &L, "c1", "s1");
-        let b = share_edits(&SharePipe::Namespace(ns.clone()), "GPU-1", &L, "c1", "s2");
+        let a = share_edits(
+            &SharePipe::Namespace(ns.clone()),
+            None,
+            "GPU-1",
+            &L,
+            "c1",
+            "s1",
+        );
+        let b = share_edits(
+            &SharePipe::Namespace(ns.clone()),
+            None,
+            "GPU-1",
+            &L,
+            "c1",
+            "s2",
+        );
         assert_eq!(
             a.env,
             ["CUDA_MPS_PIPE_DIRECTORY=/s/pipe/carve/c_0123456789abcdef"]
@@ -163,5 +190,24 @@ mod tests {
         assert_eq!(a.mounts[0].host_path, ns);
         assert_eq!(a.mounts[0].container_path, ns.display().to_string());
         assert_ne!(a.cdi_name, b.cdi_name);
+    }
+
+    #[test]
+    fn the_units_tmpfs_becomes_dev_shm_where_the_daemon_has_it() {
+        let ns = SharePipe::Namespace("/s/pipe/carve/c_0123456789abcdef".into());
+        let e = share_edits(&ns, Some(Path::new("/s/shm")), "GPU-1", &L, "c1", "s1");
+        assert_eq!(e.mounts.len(), 2);
+        assert_eq!(e.mounts[1].host_path, Path::new("/s/shm"));
+        assert_eq!(e.mounts[1].container_path, "/dev/shm");
+        assert_eq!(e.mounts[1].options, ["rw", "nosuid", "nodev", "bind"]);
+        let v2 = share_edits(
+            &SharePipe::Daemon("/s/pipe".into()),
+            Some(Path::new("/s/shm")),
+            "GPU-1",
+            &L,
+            "c1",
+            "s1",
+        );
+        assert_eq!(v2.mounts[1].container_path, "/dev/shm");
     }
 }

@@ -191,6 +191,10 @@ pub struct DaemonIdentity {
     pub log_dir: PathBuf,
     /// Protocol it speaks.
     pub protocol: Protocol,
+    /// The unit's tmpfs, where the daemon has it as its `/dev/shm`
+    /// ([`crate::shm`]); `None` for a daemon started without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<PathBuf>,
 }
 
 /// The shared unit a daemon serves.
@@ -320,6 +324,7 @@ pub(crate) struct Daemon<'a> {
     unit: &'a str,
     pipe_dir: PathBuf,
     log_dir: PathBuf,
+    shm_dir: PathBuf,
     uuid: Option<&'a str>,
 }
 
@@ -335,20 +340,45 @@ impl<'a> Daemon<'a> {
             unit,
             pipe_dir: dir.join("pipe"),
             log_dir: dir.join("log"),
+            shm_dir: dir.join(crate::shm::SHM_DIR),
             uuid,
         }
     }
 
     fn command(&self) -> Command {
         let mut c = Command::new(&self.cfg.control_binary);
-        c.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
-            .env("CUDA_MPS_LOG_DIRECTORY", &self.log_dir)
-            .env_remove("CUDA_MPS_PROTOCOL_VERSION");
+        self.env(&mut c);
         c
     }
 
-    /// Start a daemon and wait for its pid file and control endpoint.
+    fn env(&self, c: &mut Command) {
+        c.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
+            .env("CUDA_MPS_LOG_DIRECTORY", &self.log_dir)
+            .env_remove("CUDA_MPS_PROTOCOL_VERSION");
+    }
+
+    /// Start a daemon and wait for its pid file and control endpoint; with a
+    /// launcher configured, on the unit's tmpfs as its `/dev/shm`
+    /// ([`crate::shm`]). On error no daemon runs and no tmpfs stays mounted.
     pub(crate) fn start(&self, protocol: Protocol) -> Result<DaemonIdentity, MpsError> {
+        let Some(launcher) = &self.cfg.shm_launcher else {
+            return self.start_on(protocol, None);
+        };
+        crate::shm::mount(&self.shm_dir)?;
+        let started = self.start_on(protocol, Some(launcher));
+        if started.is_err()
+            && let Err(e) = crate::shm::unmount(&self.shm_dir)
+        {
+            tracing::warn!(unit = self.unit, error = %e, "removing the MPS tmpfs after a failed start");
+        }
+        started
+    }
+
+    fn start_on(
+        &self,
+        protocol: Protocol,
+        launcher: Option<&PathBuf>,
+    ) -> Result<DaemonIdentity, MpsError> {
         make_private_dir(&self.pipe_dir)?;
         make_private_dir(&self.log_dir)?;
         for f in [PID_FILE, CONTROL_FILE] {
@@ -361,7 +391,14 @@ impl<'a> Daemon<'a> {
             Protocol::V2 => &v2::START,
             Protocol::V3 => &v3::START,
         };
-        let mut cmd = self.command();
+        let mut cmd = match launcher {
+            Some(l) => {
+                let mut c = crate::shm::command(l, &self.shm_dir, &self.cfg.control_binary);
+                self.env(&mut c);
+                c
+            }
+            None => self.command(),
+        };
         cmd.args(args);
         match self.uuid {
             Some(u) => cmd.env("CUDA_VISIBLE_DEVICES", u),
@@ -404,6 +441,7 @@ impl<'a> Daemon<'a> {
                     pipe_dir: self.pipe_dir.clone(),
                     log_dir: self.log_dir.clone(),
                     protocol,
+                    shm: launcher.map(|_| self.shm_dir.clone()),
                 })
             }
             (_, pid, _) => {
@@ -484,7 +522,8 @@ impl<'a> Daemon<'a> {
         if pid_file.exists() {
             std::fs::remove_file(&pid_file).map_err(io("remove", &pid_file))?;
         }
-        Ok(())
+        // The daemon and its servers are gone: nothing uses the tmpfs.
+        crate::shm::unmount(&self.shm_dir)
     }
 }
 
@@ -620,6 +659,8 @@ impl MpsControl {
             if self.state.identity.take().is_some() {
                 self.save()?;
             }
+            // A daemon that died without clients leaves its tmpfs behind.
+            crate::shm::unmount(&self.dir.join(crate::shm::SHM_DIR))?;
             return Ok(Ensure::Idle);
         }
         self.ensure_daemon()
@@ -873,8 +914,10 @@ impl MpsControl {
             Protocol::V3 => SharePipe::Namespace(self.state.pipe_dirs.get(&c.key())?.clone()),
             Protocol::V2 => SharePipe::Daemon(self.dir.join("pipe")),
         };
+        let shm = self.state.identity.as_ref().and_then(|i| i.shm.as_deref());
         Some(share_edits(
             &pipe,
+            shm,
             &self.target.uuid,
             &c.limits,
             &c.claim_uid,
@@ -914,7 +957,11 @@ impl MpsControl {
     /// # Errors
     /// The daemon does not exit even when killed.
     pub fn stop_if_idle(&mut self) -> Result<bool, MpsError> {
-        if !self.state.clients.is_empty() || self.state.identity.is_none() {
+        if !self.state.clients.is_empty() {
+            return Ok(false);
+        }
+        if self.state.identity.is_none() {
+            crate::shm::unmount(&self.dir.join(crate::shm::SHM_DIR))?;
             return Ok(false);
         }
         self.stop_daemon()?;

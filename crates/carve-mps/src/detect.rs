@@ -8,11 +8,17 @@
 //! [IF]). A binary that rejects `-p 3` is v2; one that does not exist is "MPS
 //! not installed". (`-v` prints a version only on Tegra, so it is not used.)
 //!
-//! Releases 615 and 620 are not told apart: where they differ (620 routes the
-//! main socket by cgroup and has `cgroup` namespace keys in its configuration
-//! file), the CLI spelling of 620's cgroup binding is not documented in what
-//! was read, so carve binds no namespace to a cgroup on either release and
-//! drives both with the 615 CLI.
+//! Releases 615 and 620 are not told apart, because nothing carve does
+//! behaves differently on them. What NVIDIA documents as different, in what
+//! was read of 620 (`mps-v3.md` 1.5): (1) the main daemon socket routes a
+//! client by its cgroup or UID (615: by UID only) — carve never gives a pod
+//! the main socket, only its namespace's directory, whose socket routes to
+//! that namespace on both [NS], [NS620]; (2) the configuration file's
+//! namespace tables take `cgroup`, `cgroup_depth` and per-device
+//! `sm_partition` (615 rejects any key but three) — carve applies no file
+//! (`-a`); (3) per-device SM partitions in namespaces — carve creates none.
+//! 620's command-line spelling for a cgroup binding, the one difference carve
+//! could use, is not in what was read, so carve drives both with the 615 CLI.
 //!
 //! Enforcement published ([`Support::capabilities`]): memory is `client`
 //! on every unit. A v3 namespace's pinned limit is applied by the CUDA client
@@ -64,6 +70,14 @@ pub struct MpsConfig {
     pub protocol: ProtocolChoice,
     /// Bound on every wait: daemon readiness, commands, exit after quit.
     pub timeout: Duration,
+    /// The executable that starts a unit's daemon with the unit's tmpfs as
+    /// its `/dev/shm` ([`crate::shm::exec_main`] behind
+    /// [`crate::shm::EXEC_FLAG`]; the `carve` binary in the plugin), so that
+    /// the MPS server and the share's containers share `/dev/shm`
+    /// ([`crate::shm`]). `None`: no tmpfs, no `/dev/shm` mount in the shares'
+    /// edits; the daemon keeps the plugin's `/dev/shm`, which a workload
+    /// container does not see, so a real MPS client cannot use the server.
+    pub shm_launcher: Option<PathBuf>,
 }
 
 impl MpsConfig {
@@ -78,6 +92,7 @@ impl MpsConfig {
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             protocol: ProtocolChoice::Auto,
             timeout: Duration::from_secs(10),
+            shm_launcher: None,
         }
     }
 
@@ -119,6 +134,10 @@ impl Support {
             .map(String::as_str)
     }
 }
+
+/// Why no MPS unit's memory limit is `hard` (module docs), for the error of
+/// a claim that demands `hard`.
+pub const WHY_MEMORY_IS_CLIENT: &str = "no MPS memory limit carve sets holds against the workload: a v3 namespace's pinned limit is applied by the CUDA client and a tenant can escape it (NVIDIA Dynamo measured it), a v2 limit is the client's own variable; the hard limit, NVIDIA's memory partitioning set through nvidia-smi memory-limits or NVML on a whole non-MIG GPU, is not set up by carve (and never applies to MIG)";
 
 /// The enforcement levels a whole GPU's MPS unit has under `protocol`:
 /// memory `client` either way (carve sets up no memory partitioning), compute

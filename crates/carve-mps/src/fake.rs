@@ -25,13 +25,16 @@
 //!   verb `<module> <verb> [positional…] [--key=value|key=value…] [--flag…]`
 //!   [IF]. A call follows the running daemon's protocol [IF]: v3 verbs to a v2
 //!   daemon fail, and v2 commands to a v3 daemon.
-//! - `--fake-cuda-client [--uid=<n>] [--hold]`: NOT a real option; models a
-//!   CUDA process initialising: it connects to `$CUDA_MPS_PIPE_DIRECTORY/control`
-//!   (as a pod would through its mounted directory), prints where it landed
-//!   (`server=… namespace=… pinned=… atp=…`) with the limits it gets, and
-//!   with `--hold` stays alive as an active client until killed. Without a
-//!   socket there it prints `server=none` and succeeds: a client with a wrong
-//!   pipe directory silently runs without MPS on the whole GPU [DYN].
+//! - `--fake-cuda-client [--uid=<n>] [--dev-shm=<dir>] [--hold]`: NOT a real
+//!   option; models a CUDA process initialising: it connects to
+//!   `$CUDA_MPS_PIPE_DIRECTORY/control` (as a pod would through its mounted
+//!   directory), prints where it landed (`server=… namespace=… pinned=…
+//!   atp=…`) with the limits it gets, and with `--hold` stays alive as an
+//!   active client until killed. Without a socket there it prints
+//!   `server=none` and succeeds: a client with a wrong pipe directory
+//!   silently runs without MPS on the whole GPU [DYN]. `--dev-shm` is the
+//!   client's `/dev/shm` as its container has it (default `/dev/shm`): the
+//!   client fails unless the server's `cuda.shm.*` file is there (below).
 //!
 //! # What it models (v3)
 //! - Sockets: `<pipe>/control` (main, UID-routed), `<pipe>/<server>/control`
@@ -50,6 +53,14 @@
 //! - A client of another UID than the daemon's is refused
 //!   (`CUDA_ERROR_NOT_PERMITTED`) unless the daemon runs as root with `-m`
 //!   [DYN], [IF]. The daemon's UID is the process's, or `FAKE_MPS_AS_UID`.
+//! - `/dev/shm`: each server, once started, keeps a 4 KiB
+//!   `cuda.shm.<uid>.<n>.1` file in the daemon's `/dev/shm` (the literal
+//!   path, so in the daemon's mount namespace), and a client needs that file
+//!   in its own `/dev/shm` (NVIDIA/k8s-device-plugin issue #467: such a file
+//!   "is required when using MPS" and the path is fixed; NVIDIA's drivers
+//!   give the daemon and the clients one tmpfs as `/dev/shm` for it, see
+//!   [`crate::shm`]). What a real client does without it is not documented;
+//!   the fake's client fails. The file goes when its server does.
 //! - A `server create` whose `--allowed-devices` names a device the daemon
 //!   cannot see (its `CUDA_VISIBLE_DEVICES`) succeeds, but the server exits
 //!   and drops out of `server list` [DYN]. Knob `FAKE_MPS_SERVER_EXITS=<name>`
@@ -193,6 +204,23 @@ fn parse_top(args: &[String]) -> Result<Top, String> {
         i += 1;
     }
     Ok(t)
+}
+
+/// The fake's binaries' entry (the command line after the program name):
+/// as `--carve-mps-shm-exec …` the MPS launcher
+/// ([`crate::shm::exec_main`], what the `carve` binary is in the plugin, so
+/// tests can use a fake's binary as [`crate::MpsConfig::shm_launcher`]),
+/// otherwise the fake ([`run`]).
+#[must_use]
+pub fn main(args: &[std::ffi::OsString]) -> ExitCode {
+    if args.first().is_some_and(|a| a == crate::shm::EXEC_FLAG) {
+        return crate::shm::exec_main(&args[1..]);
+    }
+    let args: Vec<String> = args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    run(&args)
 }
 
 /// Run the fake with `args` (the command line after the program name).
@@ -396,6 +424,8 @@ impl Ns {
 struct Server {
     uid: u32,
     pid: u32,
+    /// Its `cuda.shm.*` file in the daemon's `/dev/shm`.
+    shm: Option<PathBuf>,
     status: String,
     allowed: String,
     /// Includes `default`.
@@ -405,6 +435,7 @@ struct Server {
 #[derive(Debug, Default)]
 struct V2Server {
     pid: u32,
+    shm: Option<PathBuf>,
     uid: u32,
     mem: BTreeMap<String, String>,
     pct: Option<u32>,
@@ -498,7 +529,7 @@ fn serve(protocol: u32, multiuser: bool) -> ExitCode {
         }
         if crash_on.as_deref().is_some_and(|c| req.contains(c)) {
             log(&dir, &format!("crash on {:?}", req.trim()));
-            std::process::exit(139);
+            crash();
         }
         if reject.as_deref().is_some_and(|r| req.contains(r)) {
             log(&dir, &format!("reject {:?}", req.trim()));
@@ -516,9 +547,11 @@ fn serve(protocol: u32, multiuser: bool) -> ExitCode {
         if quit {
             // [IF 1.1]: -q stops the daemon and all servers.
             let st = st.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            for s in st.servers.keys() {
-                let _ = std::fs::remove_dir_all(dir.join(s));
+            for (name, s) in &st.servers {
+                let _ = std::fs::remove_dir_all(dir.join(name));
+                remove_shm(s.shm.as_ref());
             }
+            remove_shm(st.v2_server.as_ref().and_then(|s| s.shm.as_ref()));
             let _ = std::fs::remove_file(dir.join(PID_FILE));
             let _ = std::fs::remove_file(&sock);
             return ExitCode::SUCCESS;
@@ -550,7 +583,7 @@ fn handle(st: &Shared, req: &str, route: Option<(&str, &str)>) -> (String, i32, 
             for cmd in lines.map(str::trim).filter(|l| !l.is_empty()) {
                 log(&dir, &format!("cmd {cmd}"));
                 if cmd == "crash" {
-                    std::process::exit(139);
+                    crash();
                 }
                 match v2(&mut st, cmd) {
                     Ok(o) => {
@@ -940,7 +973,9 @@ fn v3(st: &mut State, uid: u32, args: &[&str]) -> Result<String, String> {
                 ));
             }
             kill_all(&active);
-            st.servers.remove(&name);
+            if let Some(s) = st.servers.remove(&name) {
+                remove_shm(s.shm.as_ref());
+            }
             let _ = std::fs::remove_dir_all(st.pipe.join(&name));
             Ok(String::new())
         }
@@ -1291,11 +1326,13 @@ fn server_create(st: &mut State, caller: u32, a: &Args<'_>) -> Result<String, St
     }
     st.next_pid += 1;
     let status = std::env::var("FAKE_MPS_SERVER_STATUS").unwrap_or_else(|_| "Ready".into());
+    let owner = uid.unwrap_or(caller);
     st.servers.insert(
         name,
         Server {
-            uid: uid.unwrap_or(caller),
+            uid: owner,
             pid: st.next_pid,
+            shm: server_shm(owner, st.next_pid),
             status,
             allowed: allowed.to_string(),
             namespaces: BTreeMap::from([("default".to_string(), Ns::default())]),
@@ -1329,6 +1366,70 @@ fn listen(dir: &Path, server: &str, ns: &str) -> Result<(), String> {
 }
 
 static SHARED: std::sync::OnceLock<Shared> = std::sync::OnceLock::new();
+
+/// The daemon's `/dev/shm` (the literal path: in the daemon's mount namespace).
+const DEV_SHM: &str = "/dev/shm";
+
+/// A started server's `cuda.shm.<uid>.<n>.1` in the daemon's `/dev/shm`
+/// (4 KiB, mode 0600, as issue #467 shows it); `<n>` joins the daemon's pid
+/// and the server's, so parallel fakes sharing one `/dev/shm` do not clash.
+/// `None` when it cannot be written (the client will then fail).
+fn server_shm(uid: u32, server_pid: u32) -> Option<PathBuf> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let p = Path::new(DEV_SHM).join(format!(
+        "cuda.shm.{uid}.{}{server_pid}.1",
+        std::process::id()
+    ));
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(&p)
+        .ok()?;
+    f.write_all(&[0u8; 4096]).ok()?;
+    Some(p)
+}
+
+fn remove_shm(p: Option<&PathBuf>) {
+    if let Some(p) = p {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+/// Die as a crash does, without answering. The servers' `cuda.shm.*` files
+/// are removed first only to keep the test machine's `/dev/shm` clean (what
+/// a real crash leaves there is not documented and no test looks).
+fn crash() -> ! {
+    if let Some(Ok(st)) = SHARED.get().map(|s| s.try_lock()) {
+        for s in st.servers.values() {
+            remove_shm(s.shm.as_ref());
+        }
+        remove_shm(st.v2_server.as_ref().and_then(|s| s.shm.as_ref()));
+    } else {
+        remove_shm_of(std::process::id());
+    }
+    std::process::exit(139);
+}
+
+/// Remove the `cuda.shm.*` files a fake daemon `pid` left in `/dev/shm`
+/// (for tests that kill daemons with SIGKILL).
+pub fn remove_shm_of(pid: u32) {
+    let Ok(rd) = std::fs::read_dir(DEV_SHM) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        // cuda.shm.<uid>.<daemon pid><5-digit server pid>.1
+        let mine = name
+            .strip_prefix("cuda.shm.")
+            .and_then(|r| r.split('.').nth(1))
+            .is_some_and(|n| n.len() > 5 && n[..n.len() - 5] == pid.to_string());
+        if mine {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
 
 /// A CUDA client connecting: `f` = pid, pinned env, atp env, visible env.
 fn cuda_connect(
@@ -1372,6 +1473,7 @@ fn cuda_connect(
                     Server {
                         uid,
                         pid: st.next_pid,
+                        shm: server_shm(uid, st.next_pid),
                         status: "Ready".into(),
                         allowed: "all".into(),
                         namespaces: BTreeMap::from([("default".to_string(), Ns::default())]),
@@ -1410,6 +1512,7 @@ fn cuda_connect(
     if s.status != "Ready" {
         return Err(format!("server {server} is {}", s.status));
     }
+    let shm = s.shm.clone();
     let n = s
         .namespaces
         .get_mut(&ns)
@@ -1435,7 +1538,15 @@ fn cuda_connect(
         &st.pipe,
         &format!("client pid={pid} uid={uid} via={via} {out}"),
     );
-    Ok(out)
+    Ok(with_shm(out, shm.as_ref()))
+}
+
+/// The client's answer: where it landed, then the server's `cuda.shm.*` name.
+fn with_shm(out: String, shm: Option<&PathBuf>) -> String {
+    let name = shm
+        .and_then(|p| p.file_name())
+        .map_or_else(|| "-".to_string(), |n| n.to_string_lossy().into_owned());
+    format!("{out}\nshm={name}")
 }
 
 fn v2_client(
@@ -1468,8 +1579,10 @@ fn v2_client(
     if replace {
         // [V2]: a new server takes the defaults current now.
         st.next_pid += 1;
+        remove_shm(st.v2_server.as_ref().and_then(|s| s.shm.as_ref()));
         st.v2_server = Some(V2Server {
             pid: st.next_pid,
+            shm: server_shm(uid, st.next_pid),
             uid,
             mem: st.v2_mem.clone(),
             pct: st.v2_pct,
@@ -1484,6 +1597,7 @@ fn v2_client(
         return Err("no server".into());
     };
     s.clients.push(pid);
+    let shm = s.shm.clone();
     let server_mem = s.mem.values().filter_map(|v| memory(v).ok()).min();
     let env_mem = env_pinned
         .and_then(|e| e.split_once('='))
@@ -1506,15 +1620,18 @@ fn v2_client(
         &st.pipe,
         &format!("client pid={pid} uid={uid} via=main {out}"),
     );
-    Ok(out)
+    Ok(with_shm(out, shm.as_ref()))
 }
 
-/// `--fake-cuda-client [--uid=<n>] [--hold]`.
+/// `--fake-cuda-client [--uid=<n>] [--dev-shm=<dir>] [--hold]`.
 fn cuda_client(args: &[String]) -> ExitCode {
     let mut uid = my_uid();
     let mut hold = false;
+    let mut dev_shm = PathBuf::from(DEV_SHM);
     for a in args {
-        if let Some(u) = a.strip_prefix("--uid=") {
+        if let Some(d) = a.strip_prefix("--dev-shm=") {
+            dev_shm = PathBuf::from(d);
+        } else if let Some(u) = a.strip_prefix("--uid=") {
             match u.parse() {
                 Ok(u) => uid = u,
                 Err(_) => {
@@ -1543,7 +1660,24 @@ fn cuda_client(args: &[String]) -> ExitCode {
         println!("server=none namespace=none pinned=none atp=none");
         return ExitCode::SUCCESS;
     };
-    let code = exchange(&mut conn, &req);
+    let (body, status) = exchange_raw(&mut conn, &req);
+    if status != 0 {
+        eprintln!("{body}");
+        return ExitCode::from(status);
+    }
+    // The answer's last line names the server's `cuda.shm.*` file, which the
+    // client needs in its own /dev/shm (module docs).
+    let (landed, shm) = body.rsplit_once('\n').unwrap_or((body.as_str(), ""));
+    let name = shm.strip_prefix("shm=").unwrap_or("-");
+    if name == "-" || !dev_shm.join(name).is_file() {
+        eprintln!(
+            "MPS client: the server's shared memory {name} is not in {} (the client's /dev/shm is not the server's)",
+            dev_shm.display()
+        );
+        return ExitCode::from(1);
+    }
+    println!("{landed}");
+    let code = ExitCode::SUCCESS;
     if hold && code == ExitCode::SUCCESS {
         let _ = std::io::stdout().flush();
         loop {
@@ -1553,23 +1687,27 @@ fn cuda_client(args: &[String]) -> ExitCode {
     code
 }
 
-fn exchange(conn: &mut UnixStream, req: &str) -> ExitCode {
+/// Send `req`, return the answer's body and status.
+fn exchange_raw(conn: &mut UnixStream, req: &str) -> (String, u8) {
     let mut resp = String::new();
     if conn.write_all(req.as_bytes()).is_err()
         || conn.shutdown(std::net::Shutdown::Write).is_err()
         || conn.read_to_string(&mut resp).is_err()
     {
-        eprintln!("lost connection to the MPS control daemon");
-        return ExitCode::from(1);
+        return ("lost connection to the MPS control daemon".into(), 1);
     }
-    let (body, status) = match resp.trim_end().rsplit_once("#status ") {
-        Some((b, s)) => (b.trim_end(), s.trim().parse().unwrap_or(1)),
-        None => {
-            // The daemon went away before it answered (a crash mid-request).
-            eprintln!("the MPS control daemon closed the connection without an answer");
-            (resp.as_str(), 1)
-        }
-    };
+    match resp.trim_end().rsplit_once("#status ") {
+        Some((b, s)) => (b.trim_end().to_string(), s.trim().parse().unwrap_or(1)),
+        // The daemon went away before it answered (a crash mid-request).
+        None => (
+            format!("the MPS control daemon closed the connection without an answer{resp}"),
+            1,
+        ),
+    }
+}
+
+fn exchange(conn: &mut UnixStream, req: &str) -> ExitCode {
+    let (body, status) = exchange_raw(conn, req);
     if !body.is_empty() {
         if status == 0 {
             println!("{body}");

@@ -5,7 +5,7 @@
 //! re-apply limits after a crash, `quit` after the last claim), turn each
 //! claim share's limits into v2 commands or a v3 namespace of its own, and
 //! describe the share's container edits ([`ShareEdits`]: in v3 only the
-//! namespace's pipe directory).
+//! namespace's pipe directory, and the unit's `/dev/shm` tmpfs, [`shm`]).
 //!
 //! Not here: the device descriptions and `consumedCapacity` translation
 //! (`carve_model::sharing`), writing CDI files, GPU compute mode (NVML), MIG
@@ -27,6 +27,7 @@ pub mod detect;
 pub mod error;
 pub mod fake;
 mod proc;
+pub mod shm;
 
 pub use cdi::{CONTAINER_PIPE_DIR, Mount, ShareEdits, share_cdi_name};
 pub use cgroup::pod_cgroup;

@@ -419,6 +419,25 @@ fn the_main_socket_routes_by_uid_to_an_unlimited_server_and_a_namespace_socket_t
         d.landed(&d.tmp.path().join("nowhere"), &[]),
         "server=none namespace=none pinned=none atp=none"
     );
+    // Issue #467 (NVIDIA/k8s-device-plugin): the client needs the server's
+    // cuda.shm file in its own /dev/shm; one whose /dev/shm is another
+    // tmpfs (a container's own) does not get to the server.
+    let elsewhere = d.tmp.path().join("container-shm");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let o = d.client(&dir("ns"), 1000, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut c = d.cmd();
+    let o = c
+        .env("CUDA_MPS_PIPE_DIRECTORY", dir("ns"))
+        .args([
+            carve_mps::fake::CUDA_CLIENT,
+            "--uid=1000",
+            &format!("--dev-shm={}", elsewhere.display()),
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("shared memory cuda.shm."), "{}", text(&o));
 }
 
 #[test]

@@ -101,6 +101,16 @@ impl Drop for Node {
             let _ = Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
                 .status();
+            carve_mps::fake::remove_shm_of(pid);
+        }
+        // A test that failed midway may leave a unit's tmpfs mounted.
+        if let Ok(rd) = std::fs::read_dir(self.cfg.mps_root()) {
+            for e in rd.flatten() {
+                let shm = e.path().join("shm");
+                if carve_mps::shm::mounted_fs(&shm).is_some() {
+                    let _ = Command::new("umount").arg("-l").arg(&shm).status();
+                }
+            }
         }
     }
 }
@@ -235,9 +245,17 @@ fn ns(claim: &str, share: &str) -> String {
 }
 
 /// A CUDA client started with the share's environment, its pipe directory
-/// reached at the mount's host path (the container path is the same path):
-/// where it landed (`server=… namespace=… pinned=… atp=…`).
+/// reached at the mount's host path (the container path is the same path),
+/// its `/dev/shm` the host path of the share's `/dev/shm` mount if it has
+/// one: where it landed (`server=… namespace=… pinned=… atp=…`).
 fn client_of(e: &carve_mps::ShareEdits, uid: u32) -> String {
+    let o = client_cmd(e, uid, None).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+/// The client of [`client_of`]; `dev_shm` overrides its `/dev/shm`.
+fn client_cmd(e: &carve_mps::ShareEdits, uid: u32, dev_shm: Option<&Path>) -> Command {
     let mut c = Command::new(FAKE);
     c.env_remove("CUDA_MPS_PIPE_DIRECTORY")
         .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
@@ -252,12 +270,123 @@ fn client_of(e: &carve_mps::ShareEdits, uid: u32) -> String {
             .map_or_else(|| v.to_string(), |m| m.host_path.display().to_string());
         c.env(k, v);
     }
-    let o = c
-        .args([carve_mps::fake::CUDA_CLIENT, &format!("--uid={uid}")])
+    let shm = dev_shm.map(Path::to_path_buf).or_else(|| {
+        e.mounts
+            .iter()
+            .find(|m| m.container_path == "/dev/shm")
+            .map(|m| m.host_path.clone())
+    });
+    c.args([carve_mps::fake::CUDA_CLIENT, &format!("--uid={uid}")]);
+    if let Some(d) = shm {
+        c.arg(format!("--dev-shm={}", d.display()));
+    }
+    c
+}
+
+/// Whether this process may mount (root; the tmpfs tests need it).
+fn root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|r| r.split_whitespace().nth(1))
+            == Some("0")
+    })
+}
+
+#[test]
+fn the_daemon_and_the_pods_share_the_units_tmpfs_as_dev_shm() {
+    if !root() {
+        eprintln!("skipped: mounting the unit's tmpfs needs root");
+        return;
+    }
+    let mut node = Node::new(&[]);
+    // The fake binary is a launcher too, as the carve binary is in the plugin.
+    node.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let a = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let b = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-b", "s1", None)
+        .unwrap();
+    let shm = c.dir().join("shm");
+    assert_eq!(
+        carve_mps::shm::mounted_fs(&shm).as_deref(),
+        Some("tmpfs"),
+        "the unit's tmpfs is mounted"
+    );
+    for e in [&a, &b] {
+        let m = e.mounts.iter().find(|m| m.container_path == "/dev/shm");
+        let m = m.expect("a /dev/shm mount");
+        assert_eq!(m.host_path, shm);
+        assert_eq!(m.options, ["rw", "nosuid", "nodev", "bind"]);
+    }
+    // Through the share's mounts (pipe directory and /dev/shm), the client
+    // reaches its namespace: the server's shared memory is in the tmpfs.
+    assert!(
+        client_of(&a, 1000)
+            .starts_with(&format!("server=carve namespace={} ", ns("claim-a", "s1")))
+    );
+    // A client whose /dev/shm is the plugin's own, not the unit's tmpfs,
+    // does not find it: the daemon really had the tmpfs as its /dev/shm.
+    let plugin_shm = client_cmd(&a, 1000, Some(Path::new("/dev/shm")))
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
+    assert!(!plugin_shm.status.success());
+    assert!(
+        String::from_utf8_lossy(&plugin_shm.stderr).contains("is not in /dev/shm"),
+        "{}",
+        String::from_utf8_lossy(&plugin_shm.stderr)
+    );
+    // The plugin's own mount namespace is untouched by the daemon's.
+    assert_ne!(carve_mps::shm::mounted_fs(Path::new("/dev/shm")), None);
+    let in_tmpfs = std::fs::read_dir(&shm).unwrap().count();
+    assert!(in_tmpfs >= 1, "the server's cuda.shm file is in the tmpfs");
+
+    // One share goes: the tmpfs stays for the other.
+    assert!(c.remove_client("claim-a", "s1").unwrap());
+    assert!(!c.stop_if_idle().unwrap());
+    assert_eq!(carve_mps::shm::mounted_fs(&shm).as_deref(), Some("tmpfs"));
+    // The last goes: the daemon stops, the tmpfs is unmounted and removed.
+    assert!(c.remove_client("claim-b", "s1").unwrap());
+    assert!(c.stop_if_idle().unwrap());
+    assert!(node.daemons().is_empty());
+    assert_eq!(carve_mps::shm::mounted_fs(&shm), None);
+    assert!(!shm.exists());
+}
+
+#[test]
+fn a_daemon_that_fails_to_start_leaves_no_tmpfs() {
+    if !root() {
+        eprintln!("skipped: mounting the unit's tmpfs needs root");
+        return;
+    }
+    let mut node = Node::new(&[("FAKE_MPS_SERVER_STATUS", "Starting")]);
+    node.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let err = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    assert!(matches!(err, MpsError::ServerNotReady { .. }), "{err}");
+    assert!(node.daemons().is_empty());
+    let shm = c.dir().join("shm");
+    assert_eq!(carve_mps::shm::mounted_fs(&shm), None);
+    assert!(!shm.exists());
+    // A launcher that cannot exec the control binary: the same.
+    let mut bad = Node::new(&[]);
+    bad.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    let support = detect(&bad.cfg).unwrap();
+    bad.cfg.control_binary = bad.tmp.path().join("missing-control");
+    let mut c = MpsControl::open(&bad.cfg, &support, whole_target()).unwrap();
+    let err = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    assert!(err.to_string().contains("gpu-0-mps"), "{err}");
+    assert!(!c.dir().join("shm").exists());
 }
 
 fn mode(p: &Path) -> u32 {

@@ -2842,9 +2842,10 @@ fn plan_share(
         return Err(ClaimError::BadShare {
             device: device(),
             reason: format!(
-                "opaque MpsConfig requires memoryLimit {}, this node enforces {} (MPS v3 with cgroup v2 gives hard)",
+                "opaque MpsConfig requires memoryLimit {}, this node enforces {}: {}",
                 m.as_str(),
-                caps.memory_limit.as_str()
+                caps.memory_limit.as_str(),
+                carve_mps::detect::WHY_MEMORY_IS_CLIENT
             ),
         });
     }

@@ -469,8 +469,12 @@ async fn podman_runs_an_mps_share_container_from_its_spec() {
     let d = node.dir.path().to_path_buf();
     let mut config = MpsConfig::new(d.join("state"));
     config.control_binary = PathBuf::from(FAKE_MPS);
+    // The daemon on the unit's tmpfs as /dev/shm, through the fake's binary
+    // as the launcher (the carve binary in the plugin).
+    config.shm_launcher = Some(PathBuf::from(FAKE_MPS));
     config.protocol = ProtocolChoice::V2;
     config.timeout = std::time::Duration::from_secs(10);
+    let unit = config.root.join("gpu-0-mps");
     let support = carve_mps::detect(&config).unwrap();
     node.config.mps = Some(MpsSetup { config, support });
     let api = api().await;
@@ -487,10 +491,38 @@ async fn podman_runs_an_mps_share_container_from_its_spec() {
         &[],
     );
     let devs = prepared(&driver, &c).await;
+    // A first client starts the v2 server, which keeps its cuda.shm file in
+    // its /dev/shm: the unit's tmpfs.
+    let shm = unit.join("shm");
+    let o = Command::new(FAKE_MPS)
+        .env("CUDA_MPS_PIPE_DIRECTORY", unit.join("pipe"))
+        .args([
+            carve_mps::fake::CUDA_CLIENT,
+            &format!("--dev-shm={}", shm.display()),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let server_shm: Vec<String> = std::fs::read_dir(&shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("cuda.shm."))
+        .collect();
+    assert_eq!(server_shm.len(), 1, "{server_shm:?}");
     let sonames = vec!["libcuda.so.1".to_string(), "libnvidia-ml.so.1".to_string()];
     let mut args = probe_args(&sonames);
     args.push("/tmp/nvidia-mps".into());
+    let in_container = format!("/dev/shm/{}", server_shm[0]);
+    args.push(in_container.clone());
     let s = run(&rootfs, &node, &ids(&devs), &args);
+    // The container's /dev/shm is the unit's tmpfs, where the server is.
+    assert_eq!(
+        s.files.get(&in_container).map(String::as_str),
+        Some("ok"),
+        "{}",
+        s.raw
+    );
     check_driver(&s, &sonames);
     let mut want = control_nodes();
     want.extend([gpu_node(0)]);
@@ -510,6 +542,8 @@ async fn podman_runs_an_mps_share_container_from_its_spec() {
         s.env
     );
     unprepared(&driver, &c).await;
+    // The last share gone, the daemon stops and its tmpfs goes.
+    assert!(!shm.exists(), "{} left behind", shm.display());
 }
 
 /// The names of the files under `dir`, recursively.

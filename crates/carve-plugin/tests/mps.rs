@@ -487,6 +487,7 @@ fn nix_kill(pid: u32) {
         .status()
         .unwrap();
     assert!(st.success());
+    carve_mps::fake::remove_shm_of(pid);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -706,6 +707,11 @@ async fn demand_hard(protocol: ProtocolChoice) {
     let e = claim_error(&out, "u-hard");
     assert!(
         e.contains("requires memoryLimit hard") && e.contains("enforces client"),
+        "{e}"
+    );
+    // The reason is the true one: escapable client limits, no partitioning.
+    assert!(
+        e.contains("can escape it") && e.contains("memory partitioning"),
         "{e}"
     );
     assert!(e.contains("gpu-0-mps"), "{e}");

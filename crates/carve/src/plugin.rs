@@ -161,6 +161,9 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
         config.root.clone_from(d);
     }
     config.cgroup_root.clone_from(&args.cgroup_root);
+    // Daemons start through this binary, on their unit's tmpfs as /dev/shm.
+    config.shm_launcher =
+        Some(std::env::current_exe().context("locating the carve binary (the MPS launcher)")?);
     config.protocol = match args.mps_protocol {
         MpsProtocolArg::Auto => carve_mps::ProtocolChoice::Auto,
         MpsProtocolArg::V2 => carve_mps::ProtocolChoice::V2,

@@ -1,9 +1,12 @@
 //! `carve-fake-mps-control`: the test stand-in for `nvidia-cuda-mps-control`
 //! ([`carve_mps::fake`]), as a binary of its own for the tests of this crate.
+//! Run as `carve-fake-mps-control --carve-mps-shm-exec …` it is the MPS
+//! launcher instead ([`carve_mps::shm::exec_main`]), as the `carve` binary is
+//! in the plugin, so tests can use it as [`carve_mps::MpsConfig::shm_launcher`].
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    carve_mps::fake::run(&args)
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    carve_mps::fake::main(&args)
 }

@@ -6,6 +6,6 @@
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    carve_mps::fake::run(&args)
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    carve_mps::fake::main(&args)
 }

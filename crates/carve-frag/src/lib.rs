@@ -17,6 +17,7 @@ pub mod bench;
 pub mod churn;
 mod csvout;
 pub mod error;
+pub mod live_order;
 pub mod mapping;
 pub mod optimum;
 pub mod rng;

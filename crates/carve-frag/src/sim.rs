@@ -1651,7 +1651,7 @@ mod tests {
             (r.log.clone().unwrap(), r.totals().clone())
         };
         let (log0, t0) = run(0);
-        let head = vec![(0, 0, 0, p4, 0), (1, 0, 0, p3, 4), (2, 0, 1, p1, 6)];
+        let head = [(0, 0, 0, p4, 0), (1, 0, 0, p3, 4), (2, 0, 1, p1, 6)];
         assert_eq!(log0[..3], head[..]);
         assert_eq!(log0[3], (3, 0, 0, p3, 4));
         assert_eq!((t0.stale_picks, t0.device_picks), (0, 4));

@@ -31,9 +31,10 @@
 //! It lives in the benchmark, not in carve-model, because it did not win:
 //! measured by `carve bench fragmentation` (the `state-aware` rows) it is
 //! closer to the exact per-node optimum than carve's static order on 10 of
-//! the 12 node shapes, but above it on the cluster band mean in 7 of 8 runs,
-//! with more re-pack-avoidable failures, at about one ResourceSlice write per
-//! prepare. Figures and caveats in `docs/benchmarks.md`, "Fragmentation".
+//! the 12 node shapes, but above it on the cluster band mean in all 8 runs,
+//! with more re-pack-avoidable failures on 6 of them, at about one
+//! ResourceSlice write per prepare and per unprepare. Figures and caveats in
+//! `docs/benchmarks.md`, "Fragmentation".
 
 use std::collections::HashMap;
 use std::rc::Rc;

@@ -772,7 +772,7 @@ impl BenchReport {
             self.seeds.len(),
             if ratio { "; × = vs name" } else { "" }
         )?;
-        write!(f, "  {:<13}", "policy")?;
+        write!(f, "  {:<17}", "policy")?;
         for p in REPORT_POINTS {
             write!(f, " {:>15}", format!("arrived {p}%"))?;
         }
@@ -781,7 +781,7 @@ impl BenchReport {
         }
         writeln!(f)?;
         for &pol in &self.policies {
-            write!(f, "  {:<13}", pol.label())?;
+            write!(f, "  {:<17}", pol.label())?;
             for p in REPORT_POINTS {
                 let v = self.median(pol, p, metric);
                 let base = self.median(Policy::Name, p, metric);
@@ -811,13 +811,13 @@ impl BenchReport {
         get: impl Fn(&Totals, usize) -> f64,
         digits: usize,
     ) -> fmt::Result {
-        write!(f, "  {:<13}", "policy")?;
+        write!(f, "  {:<17}", "policy")?;
         for c in &self.classes {
             write!(f, " {:>12}", c.split(' ').next().unwrap_or(c))?;
         }
         writeln!(f)?;
         for &pol in &self.policies {
-            write!(f, "  {:<13}", pol.label())?;
+            write!(f, "  {:<17}", pol.label())?;
             for ci in 0..self.classes.len() {
                 let v: Vec<f64> = self
                     .samples

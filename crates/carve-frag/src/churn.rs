@@ -62,6 +62,16 @@ pub struct ChurnRow {
     pub mean_unallocated_pct: f64,
     /// Time-averaged stranded compute slices over the window, % of capacity.
     pub mean_stranded_pct: f64,
+    /// Whole run: prepares and unprepares of tasks with GPU devices.
+    pub device_events: u64,
+    /// Whole run: device events after which the node's published order
+    /// changed (ResourceSlice writes of the state-aware order).
+    pub republishes: u64,
+    /// Whole run: devices allocated.
+    pub device_picks: u64,
+    /// Whole run: devices taken from a stale slice version that the node's
+    /// current order would have placed elsewhere.
+    pub stale_picks: u64,
 }
 
 impl ChurnRow {
@@ -206,6 +216,10 @@ pub fn run_churn(cfg: &BenchConfig, churn: &ChurnConfig) -> Result<ChurnReport, 
             accepted_compute: 0,
             mean_unallocated_pct: 0.0,
             mean_stranded_pct: 0.0,
+            device_events: 0,
+            republishes: 0,
+            device_picks: 0,
+            stale_picks: 0,
         };
         let (mut unalloc_area, mut stranded_area) = (0.0, 0.0);
         loop {
@@ -249,6 +263,11 @@ pub fn run_churn(cfg: &BenchConfig, churn: &ChurnConfig) -> Result<ChurnReport, 
                 sim.depart(&l);
             }
         }
+        let tot = sim.totals();
+        row.device_events = tot.device_events;
+        row.republishes = tot.republishes;
+        row.device_picks = tot.device_picks;
+        row.stale_picks = tot.stale_picks;
         if window > 0.0 {
             row.mean_unallocated_pct = 100.0 * unalloc_area / (window * capacity);
             row.mean_stranded_pct = 100.0 * stranded_area / (window * capacity);
@@ -314,6 +333,10 @@ impl ChurnReport {
                 "accepted_compute_slices",
                 "mean_unallocated_compute_pct",
                 "mean_stranded_compute_pct",
+                "device_events",
+                "republishes",
+                "device_picks",
+                "stale_picks",
             ])?;
             for r in &self.rows {
                 w.write_record([
@@ -327,6 +350,10 @@ impl ChurnReport {
                     r.accepted_compute.to_string(),
                     format!("{:.4}", r.mean_unallocated_pct),
                     format!("{:.4}", r.mean_stranded_pct),
+                    r.device_events.to_string(),
+                    r.republishes.to_string(),
+                    r.device_picks.to_string(),
+                    r.stale_picks.to_string(),
                 ])?;
             }
             Ok(())
@@ -354,7 +381,7 @@ impl fmt::Display for ChurnReport {
             "  Poisson arrivals at offered load ρ; lifetime = deletion − creation, capped at p99 = {:.0} s (mean {:.0} s); warm-up {:.0} s, window {:.0} s",
             self.lifetime_cap_s, self.mean_lifetime_s, self.warmup_s, self.window_s
         )?;
-        let tables: [(&str, RowMetric); 3] = [
+        let tables: [(&str, RowMetric); 5] = [
             ("GPU tasks accepted, % of arrived", ChurnRow::acceptance_pct),
             ("Compute slices accepted, % of arrived", |r| {
                 if r.arrived_compute == 0 {
@@ -366,16 +393,36 @@ impl fmt::Display for ChurnReport {
             ("Time-averaged unallocated compute slices, %", |r| {
                 r.mean_unallocated_pct
             }),
+            (
+                "ResourceSlice writes per device event (prepare or unprepare), whole run",
+                |r| {
+                    if r.device_events == 0 {
+                        0.0
+                    } else {
+                        r.republishes as f64 / r.device_events as f64
+                    }
+                },
+            ),
+            (
+                "Devices taken from a stale slice version that the current order would have placed elsewhere, %",
+                |r| {
+                    if r.device_picks == 0 {
+                        0.0
+                    } else {
+                        100.0 * r.stale_picks as f64 / r.device_picks as f64
+                    }
+                },
+            ),
         ];
         for (title, get) in tables {
             writeln!(f, "\n{title} (median over seeds):")?;
-            write!(f, "  {:<13}", "policy")?;
+            write!(f, "  {:<17}", "policy")?;
             for rho in &self.rhos {
                 write!(f, " {:>10}", format!("ρ={rho}"))?;
             }
             writeln!(f)?;
             for &p in &self.policies {
-                write!(f, "  {:<13}", p.label())?;
+                write!(f, "  {:<17}", p.label())?;
                 for &rho in &self.rhos {
                     let v = self.median(p, rho, get);
                     write!(f, " {:>10}", v.map_or("-".into(), |v| format!("{v:.2}")))?;

@@ -2,7 +2,9 @@
 //! openb trace (Weng et al., ATC '23) mapped onto MIG profiles, with the
 //! Monte-Carlo inflation protocol of the FGD paper, and compares device-order
 //! policies (NVIDIA's name order, first-fit, best-fit, random, carve's order, a
-//! re-packing heuristic) by the compute slices they leave unallocated: against
+//! state-aware order republished after each prepare and unprepare
+//! ([`live_order`], measured and not kept), a re-packing heuristic) by the
+//! compute slices they leave unallocated: against
 //! the exact per-node optimum ([`optimum`]), and inside a modelled
 //! kube-scheduler under both `NodeResourcesFit` strategies, with each failure
 //! classified by cause ([`FailCause`]); [`run_suite`] runs it all side by side.
@@ -17,6 +19,7 @@ pub mod bench;
 pub mod churn;
 mod csvout;
 pub mod error;
+pub mod live_order;
 pub mod mapping;
 pub mod optimum;
 pub mod rng;

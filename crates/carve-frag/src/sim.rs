@@ -1,12 +1,14 @@
 //! The replay: a cluster of MIG GPUs, the scheduler's node choice, the DRA
 //! allocator's first-fit over a published device order, and the policies.
 
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{HashMap, VecDeque};
 
 use carve_model::geometry::{Instance, Occupancy, layouts};
 use carve_model::order::{DeviceOrder, node_device_order, placement_order};
 use carve_model::{GpuSpec, Stranded};
 
+use crate::live_order::LiveOrder;
 use crate::mapping::Demand;
 use crate::rng::SplitMix64;
 
@@ -24,6 +26,18 @@ pub enum Policy {
     Random,
     /// carve's static order ([`carve_model::order::DeviceOrder::Carve`]).
     Carve,
+    /// The state-aware order ([`crate::live_order::LiveOrder`]): after
+    /// every prepare and unprepare on a node the plugin republishes the
+    /// node's devices in the order computed from its live occupancy. The
+    /// scheduler allocates from the version published `lag` device events
+    /// (prepares or unprepares on that node) ago: 0 = the republish always
+    /// lands before the next allocation; 1 = every allocation sees the order
+    /// from before the node's previous event. Its own view of which devices
+    /// are free is always current (it tracks allocated claims itself).
+    StateAware {
+        /// Device events on the node the published order lags behind.
+        lag: u8,
+    },
     /// A re-packing *heuristic*, not a bound: carve's order, and when the
     /// task does not fit a node as it is, the node counts as feasible if its
     /// live instances plus the new ones pack onto its GPUs; the chosen node is
@@ -115,15 +129,20 @@ impl FailCause {
 }
 
 impl Policy {
-    /// Every policy, in report order.
-    pub const ALL: [Policy; 6] = [
+    /// Every policy, in report order (the state-aware order at lags 0 and 1).
+    pub const ALL: [Policy; 8] = [
         Policy::Name,
         Policy::FirstFit,
         Policy::BestFit,
         Policy::Random,
         Policy::Carve,
+        Policy::StateAware { lag: 0 },
+        Policy::StateAware { lag: 1 },
         Policy::RepackHeuristic,
     ];
+
+    /// The largest lag [`Policy::StateAware`] accepts on the command line.
+    pub const MAX_LAG: u8 = 16;
 
     /// Whether the policy is a static device order (or the dynamic best-fit)
     /// that never moves a live instance: the ones the per-node optimum bounds.
@@ -132,35 +151,53 @@ impl Policy {
         self != Policy::RepackHeuristic
     }
 
-    /// The label used in tables, CSV and on the command line.
+    /// The label used in tables, CSV and on the command line
+    /// (`state-aware`, `state-aware-lag1`, ...).
     #[must_use]
-    pub fn label(self) -> &'static str {
+    pub fn label(self) -> Cow<'static, str> {
         match self {
-            Policy::Name => "name",
-            Policy::FirstFit => "first-fit",
-            Policy::BestFit => "best-fit",
-            Policy::Random => "random",
-            Policy::Carve => "carve",
-            Policy::RepackHeuristic => "repack-heuristic",
+            Policy::Name => "name".into(),
+            Policy::FirstFit => "first-fit".into(),
+            Policy::BestFit => "best-fit".into(),
+            Policy::Random => "random".into(),
+            Policy::Carve => "carve".into(),
+            Policy::StateAware { lag: 0 } => "state-aware".into(),
+            Policy::StateAware { lag } => format!("state-aware-lag{lag}").into(),
+            Policy::RepackHeuristic => "repack-heuristic".into(),
         }
     }
 }
 
 impl std::fmt::Display for Policy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.label())
+        f.write_str(&self.label())
     }
 }
 
 impl std::str::FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(n) = s.strip_prefix("state-aware-lag") {
+            return match n.parse::<u8>() {
+                Ok(lag) if lag <= Policy::MAX_LAG && !n.starts_with('+') => {
+                    Ok(Policy::StateAware { lag })
+                }
+                _ => Err(format!(
+                    "policy {s:?}: the lag must be a whole number of device events from 0 to {}",
+                    Policy::MAX_LAG
+                )),
+            };
+        }
         Policy::ALL
             .into_iter()
             .find(|p| p.label() == s)
             .ok_or_else(|| {
-                let all: Vec<&str> = Policy::ALL.iter().map(|p| p.label()).collect();
-                format!("unknown policy {s:?}; known: {}", all.join(", "))
+                let all: Vec<Cow<'static, str>> = Policy::ALL.iter().map(|p| p.label()).collect();
+                format!(
+                    "unknown policy {s:?}; known: {} (and state-aware-lagN, N ≤ {})",
+                    all.join(", "),
+                    Policy::MAX_LAG
+                )
             })
     }
 }
@@ -472,6 +509,18 @@ pub struct Totals {
     pub failed_compute: Vec<u64>,
     /// Node re-packings so far (repack heuristic only).
     pub repacks: u64,
+    /// Device events: prepares (and, in churn mode, unprepares) of tasks with
+    /// GPU devices.
+    pub device_events: u64,
+    /// Device events after which the node's published order changed, i.e.
+    /// ResourceSlice writes the state-aware order costs (0 for a static order).
+    pub republishes: u64,
+    /// Allocations (one per device) where the version the scheduler saw led
+    /// to another device than the node's current order would have
+    /// (state-aware order with a lag only).
+    pub stale_picks: u64,
+    /// Devices allocated from a published order (every policy).
+    pub device_picks: u64,
     /// Failed tasks by [`FailCause`] (positions as [`FailCause::ALL`]); they
     /// sum to the failures of every class.
     pub fail_causes: [u64; 4],
@@ -564,6 +613,36 @@ pub fn nodes_to_find(num_all: usize, pct: u32) -> usize {
     (num_all * pct / 100).max(MIN_FEASIBLE_NODES_TO_FIND)
 }
 
+/// What the state-aware order needs during a replay.
+struct LiveState<'a> {
+    order: LiveOrder<'a>,
+    lag: usize,
+    /// Per node: its GPUs' instance sets after each of its last `lag + 1`
+    /// device events, oldest first (the initial empty node counts as one).
+    /// The front is the version the scheduler allocates from.
+    history: Vec<VecDeque<Vec<u64>>>,
+    /// Per node: the order last published, per profile of the spec.
+    published: Vec<Vec<Vec<(u32, u8)>>>,
+}
+
+impl LiveState<'_> {
+    fn full_order(&mut self, masks: &[u64], profiles: usize) -> Vec<Vec<(u32, u8)>> {
+        (0..profiles)
+            .map(|p| {
+                self.order
+                    .order_masks(masks, p)
+                    .expect("the replay's GPU states are valid instance sets")
+            })
+            .collect()
+    }
+}
+
+/// The weights of the state-aware order in the replay: carve-model's
+/// default (every profile without media extensions weighs 1).
+fn live_weights(spec: &GpuSpec) -> Vec<u32> {
+    crate::live_order::default_weights(spec)
+}
+
 /// The state of one replay.
 pub(crate) struct Replay<'a, 'w> {
     w: &'w World<'a>,
@@ -577,6 +656,8 @@ pub(crate) struct Replay<'a, 'w> {
     /// `tables[order][profile]` = `(gpu, candidate)` in published order.
     tables: Vec<Vec<Vec<(u8, u8)>>>,
     carve_starts: Vec<Vec<u8>>,
+    /// State-aware policies only.
+    live: Option<LiveState<'a>>,
     t: Totals,
     rng: SplitMix64,
     /// Where the next node search starts (kube-scheduler's
@@ -642,6 +723,39 @@ impl<'a, 'w> Replay<'a, 'w> {
             .map(|p| placement_order(w.spec, p, DeviceOrder::Carve))
             .collect();
         let repack = (policy == Policy::RepackHeuristic).then(|| Repacker::new(w.spec, w.profiles));
+        let live = match policy {
+            Policy::StateAware { lag } => {
+                let order = LiveOrder::new(w.spec, live_weights(w.spec))
+                    .expect("a MIG spec with one weight per profile");
+                assert_eq!(
+                    order.candidates(),
+                    geo.cands.as_slice(),
+                    "the replay and the live order number placements alike"
+                );
+                let mut st = LiveState {
+                    order,
+                    lag: usize::from(lag),
+                    history: Vec::with_capacity(nodes.len()),
+                    published: Vec::with_capacity(nodes.len()),
+                };
+                let mut first: HashMap<u32, Vec<Vec<(u32, u8)>>> = HashMap::new();
+                for n in &nodes {
+                    let empty = vec![0u64; n.gpus as usize];
+                    let o = match first.get(&n.gpus) {
+                        Some(o) => o.clone(),
+                        None => {
+                            let o = st.full_order(&empty, w.spec.profiles.len());
+                            first.insert(n.gpus, o.clone());
+                            o
+                        }
+                    };
+                    st.history.push(VecDeque::from([empty]));
+                    st.published.push(o);
+                }
+                Some(st)
+            }
+            _ => None,
+        };
         Self {
             w,
             geo,
@@ -652,6 +766,7 @@ impl<'a, 'w> Replay<'a, 'w> {
             gpu_state: vec![0; gpu0],
             tables,
             carve_starts,
+            live,
             t: Totals {
                 failures: vec![0; w.classes],
                 failed_compute: vec![0; w.classes],
@@ -852,8 +967,42 @@ impl<'a, 'w> Replay<'a, 'w> {
         }
     }
 
+    /// The instance sets of a node's GPUs now.
+    fn node_masks(&self, node: usize) -> Vec<u64> {
+        let n = &self.nodes[node];
+        self.gpu_state[n.gpu0..n.gpu0 + n.gpus as usize]
+            .iter()
+            .map(|&st| self.geo.info(st).mask)
+            .collect()
+    }
+
+    /// After a prepare or unprepare on `node`: count it, and under the
+    /// state-aware order republish (count a write) when the order changed and
+    /// age the versions the scheduler may see.
+    fn device_event(&mut self, node: usize) {
+        self.t.device_events += 1;
+        if self.live.is_none() {
+            return;
+        }
+        let masks = self.node_masks(node);
+        let profiles = self.w.spec.profiles.len();
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let now = live.full_order(&masks, profiles);
+        if now != live.published[node] {
+            self.t.republishes += 1;
+            live.published[node] = now;
+        }
+        let h = &mut live.history[node];
+        h.push_back(masks);
+        while h.len() > live.lag + 1 {
+            h.pop_front();
+        }
+    }
+
     /// The device the policy yields for one instance of `p` on `node`, if any.
-    fn pick(&self, node: usize, p: usize) -> Option<(u32, u8)> {
+    fn pick(&mut self, node: usize, p: usize) -> Option<(u32, u8)> {
         let n = &self.nodes[node];
         match self.policy {
             Policy::BestFit => {
@@ -872,6 +1021,35 @@ impl<'a, 'w> Replay<'a, 'w> {
                     .iter()
                     .find(|&&s| fits & (1 << self.geo.cand(p, s)) != 0)
                     .map(|&s| (g, s))
+            }
+            Policy::StateAware { .. } => {
+                let live = self.live.as_mut()?;
+                let seen = live.history[node].front()?;
+                let order = live
+                    .order
+                    .order_masks(seen, p)
+                    .expect("the replay's GPU states are valid instance sets");
+                let (geo, states) = (&self.geo, &self.gpu_state);
+                let fits = |&(g, s): &(u32, u8)| {
+                    geo.info(states[n.gpu0 + g as usize]).fits & (1 << geo.cand(p, s)) != 0
+                };
+                let got = order.into_iter().find(fits);
+                if live.lag > 0 {
+                    let now: Vec<u64> = states[n.gpu0..n.gpu0 + n.gpus as usize]
+                        .iter()
+                        .map(|&st| geo.info(st).mask)
+                        .collect();
+                    let fresh = live
+                        .order
+                        .order_masks(&now, p)
+                        .expect("the replay's GPU states are valid instance sets")
+                        .into_iter()
+                        .find(fits);
+                    if fresh != got {
+                        self.t.stale_picks += 1;
+                    }
+                }
+                got
             }
             _ => self.tables[n.order][p]
                 .iter()
@@ -928,6 +1106,7 @@ impl<'a, 'w> Replay<'a, 'w> {
                     let Some((g, s)) = self.pick(node, p) else {
                         unreachable!("fit count promised a free placement")
                     };
+                    self.t.device_picks += 1;
                     self.place_one(pos, node, g, p, s);
                     devices.push((self.nodes[node].gpu0 + g as usize, self.geo.cand(p, s)));
                 }
@@ -938,6 +1117,7 @@ impl<'a, 'w> Replay<'a, 'w> {
                 self.nodes[node].counts[slot] += d.count as u16;
             }
             self.refresh(node);
+            self.device_event(node);
         }
         let n = &mut self.nodes[node];
         n.cpu_used += d.cpu_milli;
@@ -978,6 +1158,7 @@ impl<'a, 'w> Replay<'a, 'w> {
                 *c = c.saturating_sub(d.count as u16);
             }
             self.refresh(node);
+            self.device_event(node);
         }
         let n = &mut self.nodes[node];
         n.cpu_used -= d.cpu_milli;
@@ -1428,6 +1609,89 @@ mod tests {
         // Name order on 3g, 4g: 3g@0 blocks the 4g; 3g@4 + 4g@0 would hold both.
         let name = replay(&w, Policy::Name, 1, &[1, 2], 100_000, false);
         assert_eq!(name.points.last().unwrap().fail_causes, [0, 0, 0, 1]);
+    }
+
+    /// Two H100s, state-aware order. 4g → GPU 0 at 0; 3g → GPU 0 at 4 (it
+    /// fills GPU 0: loss 10 there, 17 on the empty GPU 1); 1g → GPU 1 at 6.
+    /// The 3g leaves, then a 3g arrives. The current order puts it back on
+    /// GPU 0 at 4; at lag 1 the scheduler allocates from the version
+    /// published before the departure, where GPU 0 was full: its first
+    /// free device is GPU 1 at 0 (the 4g home of GPU 1), a stale pick.
+    /// Every prepare and unprepare here changed the order: one write each.
+    #[test]
+    fn a_stale_slice_version_changes_the_pick_after_a_departure() {
+        let s = h100();
+        let names = ["1g.10gb", "3g.40gb", "4g.40gb"];
+        let demands: Vec<Demand> = names
+            .iter()
+            .enumerate()
+            .map(|(k, n)| demand(&s, n, k))
+            .collect();
+        let nodes = vec![NodeCap::any_model(64_000, 1 << 20, 2)];
+        let profiles: Vec<usize> = names.iter().map(|n| pidx(&s, n)).collect();
+        let w = World {
+            spec: &s,
+            nodes: &nodes,
+            demands: &demands,
+            profiles: &profiles,
+            classes: 3,
+            compute_capacity: 14,
+            nodes_to_find: 1,
+            requests: &[],
+            scoring: Scoring::LeastAllocated,
+        };
+        let (p1, p3, p4) = (profiles[0], profiles[1], profiles[2]);
+        let run = |lag: u8| {
+            let mut r = Replay::new(&w, Policy::StateAware { lag }, 1, true);
+            r.submit(0, &demands[2]).unwrap();
+            let three = r.submit(1, &demands[1]).unwrap();
+            r.submit(2, &demands[0]).unwrap();
+            r.depart(&three);
+            r.submit(3, &demands[1]).unwrap();
+            (r.log.clone().unwrap(), r.totals().clone())
+        };
+        let (log0, t0) = run(0);
+        let head = [(0, 0, 0, p4, 0), (1, 0, 0, p3, 4), (2, 0, 1, p1, 6)];
+        assert_eq!(log0[..3], head[..]);
+        assert_eq!(log0[3], (3, 0, 0, p3, 4));
+        assert_eq!((t0.stale_picks, t0.device_picks), (0, 4));
+        let (log1, t1) = run(1);
+        assert_eq!(log1[..3], head[..]);
+        assert_eq!(log1[3], (3, 0, 1, p3, 0));
+        assert_eq!((t1.stale_picks, t1.device_picks), (1, 4));
+        for t in [&t0, &t1] {
+            assert_eq!((t.device_events, t.republishes), (5, 5));
+        }
+        // A static order publishes once: no write per event.
+        let mut r = Replay::new(&w, Policy::Carve, 1, false);
+        r.submit(0, &demands[2]).unwrap();
+        assert_eq!((r.totals().device_events, r.totals().republishes), (1, 0));
+    }
+
+    #[test]
+    fn state_aware_labels_parse_back_and_bad_lags_are_refused() {
+        for p in Policy::ALL {
+            assert_eq!(p.label().parse::<Policy>(), Ok(p));
+        }
+        assert_eq!(Policy::StateAware { lag: 0 }.label(), "state-aware");
+        assert_eq!(
+            "state-aware-lag3".parse::<Policy>(),
+            Ok(Policy::StateAware { lag: 3 })
+        );
+        for bad in [
+            "state-aware-lag17",
+            "state-aware-lag",
+            "state-aware-lag-1",
+            "state-aware-lag+2",
+        ] {
+            let e = bad.parse::<Policy>().unwrap_err();
+            assert!(e.contains("lag must be"), "{bad}: {e}");
+        }
+        let e = "stateaware".parse::<Policy>().unwrap_err();
+        assert!(
+            e.contains("state-aware-lag1") && e.contains("state-aware-lagN"),
+            "{e}"
+        );
     }
 
     #[test]

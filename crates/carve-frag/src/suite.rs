@@ -146,6 +146,38 @@ impl ClusterRun {
             .collect()
     }
 
+    /// Per seed of `policy`, over the whole run (to the end of the band): the
+    /// ResourceSlice writes per device event (prepare) the order costs, and
+    /// the share of devices, %, the scheduler took from a stale version that
+    /// the node's current order would not have given.
+    #[must_use]
+    pub fn per_seed_cost(&self, policy: Policy) -> Vec<(u64, f64, f64)> {
+        let r = &self.report;
+        r.seeds
+            .iter()
+            .filter_map(|&seed| {
+                let t = &r.sample(policy, seed, BAND.1)?.totals;
+                let per = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+                Some((
+                    seed,
+                    per(t.republishes, t.device_events),
+                    100.0 * per(t.stale_picks, t.device_picks),
+                ))
+            })
+            .collect()
+    }
+
+    /// Medians over seeds of [`Self::per_seed_cost`]: writes per device
+    /// event, stale picks %.
+    #[must_use]
+    pub fn cost(&self, policy: Policy) -> Option<(f64, f64)> {
+        let v = self.per_seed_cost(policy);
+        Some((
+            median(v.iter().map(|x| x.1).collect())?,
+            median(v.iter().map(|x| x.2).collect())?,
+        ))
+    }
+
     /// Medians over seeds per policy.
     #[must_use]
     pub fn summary(&self, policy: Policy) -> Option<ClusterSummary> {
@@ -297,7 +329,7 @@ impl SuiteReport {
                             trace,
                             &r.shape.label,
                             "",
-                            p.label(),
+                            &p.label(),
                             &seed.to_string(),
                             "gap_points",
                             &format!("{:.4}", 100.0 * f64::from(opt.saturating_sub(v[k])) / cap),
@@ -309,18 +341,25 @@ impl SuiteReport {
                 let shape = run.shape.label();
                 let scoring = run.report.scoring.label();
                 for &p in &run.report.policies {
+                    let cost = run.per_seed_cost(p);
                     for (seed, band, u, large, causes) in run.per_seed(p) {
+                        let (writes, stale) = cost
+                            .iter()
+                            .find(|c| c.0 == seed)
+                            .map_or((f64::NAN, f64::NAN), |c| (c.1, c.2));
                         let seed = seed.to_string();
                         let mut vals = vec![
                             ("band_mean_unallocated_pct", band),
                             ("unallocated_100_pct", u),
                             ("failed_4g_7g_100_pct", large),
+                            ("writes_per_device_event", writes),
+                            ("stale_picks_pct", stale),
                         ];
                         for (c, v) in FailCause::ALL.iter().zip(causes) {
                             vals.push((c.label(), v));
                         }
                         for (m, v) in vals {
-                            let m = if m.ends_with("_pct") {
+                            let m = if m.ends_with("_pct") || m.starts_with("writes") {
                                 m.to_string()
                             } else {
                                 format!("failed_{}_100_pct", m.replace('-', "_"))
@@ -330,7 +369,7 @@ impl SuiteReport {
                                 &run.trace,
                                 &shape,
                                 scoring,
-                                p.label(),
+                                &p.label(),
                                 &seed,
                                 &m,
                                 &format!("{v:.4}"),
@@ -428,14 +467,14 @@ impl fmt::Display for SuiteReport {
         if !self.runs.is_empty() {
             writeln!(
                 f,
-                "\nCluster (seeds {}, medians over seeds): band = mean unallocated compute % over {}–{} % arrived (×: vs name); u100 = unallocated at 100 %; L100 = failed 4g+7g compute at 100 %, % of capacity. Failures at 100 % by cause, % of capacity: no-host = no node with the free CPU/RAM (no order could help); no-gpus = multi-GPU task, no node with the CPU/RAM could empty enough GPUs even re-packed; no-room = single-device task, no node with the CPU/RAM could hold it even re-packed; repack = a node with the CPU/RAM could have held it re-packed (what a device order is answerable for).",
+                "\nCluster (seeds {}, medians over seeds): band = mean unallocated compute % over {}–{} % arrived (×: vs name); u100 = unallocated at 100 %; L100 = failed 4g+7g compute at 100 %, % of capacity. Failures at 100 % by cause, % of capacity: no-host = no node with the free CPU/RAM (no order could help); no-gpus = multi-GPU task, no node with the CPU/RAM could empty enough GPUs even re-packed; no-room = single-device task, no node with the CPU/RAM could hold it even re-packed; repack = a node with the CPU/RAM could have held it re-packed (what a device order is answerable for). w/ev = ResourceSlice writes per device event (prepare) the order costs, to 130 %; stale = devices taken from a stale slice version that the current order would have placed elsewhere, %.",
                 seeds_text(&c.seeds),
                 BAND.0,
                 BAND.1
             )?;
             writeln!(
                 f,
-                "  {:<12} {:<17} {:<15} {:<17} {:>13} {:>6} {:>6} {:>8} {:>8} {:>8} {:>7}",
+                "  {:<12} {:<17} {:<15} {:<17} {:>13} {:>6} {:>6} {:>8} {:>8} {:>8} {:>7} {:>5} {:>6}",
                 "trace",
                 "cluster",
                 "scoring",
@@ -446,13 +485,16 @@ impl fmt::Display for SuiteReport {
                 "no-host",
                 "no-gpus",
                 "no-room",
-                "repack"
+                "repack",
+                "w/ev",
+                "stale"
             )?;
             for run in &self.runs {
                 let name = run.summary(Policy::Name);
                 let shape = format!("{} ({})", run.shape.label(), run.report.nodes);
                 for &p in &run.report.policies {
                     let Some(s) = run.summary(p) else { continue };
+                    let cost = run.cost(p).unwrap_or((f64::NAN, f64::NAN));
                     let ratio = name
                         .as_ref()
                         .filter(|n| n.band_mean > 0.0)
@@ -461,7 +503,7 @@ impl fmt::Display for SuiteReport {
                         });
                     writeln!(
                         f,
-                        "  {:<12} {:<17} {:<15} {:<17} {:>13} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2} {:>7.3}",
+                        "  {:<12} {:<17} {:<15} {:<17} {:>13} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2} {:>7.3} {:>5.2} {:>6.2}",
                         run.trace,
                         shape,
                         run.report.scoring.label(),
@@ -472,7 +514,9 @@ impl fmt::Display for SuiteReport {
                         s.causes_100[0],
                         s.causes_100[1],
                         s.causes_100[2],
-                        s.causes_100[3]
+                        s.causes_100[3],
+                        cost.0,
+                        cost.1
                     )?;
                 }
             }
@@ -562,7 +606,7 @@ mod tests {
             "section,trace,shape,scoring,policy,seed,metric,value"
         );
         let node_rows = 6 * 12 * Policy::ALL.len(); // optimum + 5 policies
-        let cluster_rows = 4 * Policy::ALL.len() * 2 * 7;
+        let cluster_rows = 4 * Policy::ALL.len() * 2 * 9;
         assert_eq!(lines.len(), 1 + node_rows + cluster_rows);
         assert!(body.contains("cluster,openb_pod_list_sample") || body.contains("cluster,sample"));
     }

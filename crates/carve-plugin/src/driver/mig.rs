@@ -239,26 +239,10 @@ fn make_one(
         cap_minors.clone_from(sm);
         return Ok(());
     }
-    let (gid, cid, uuid) = if *create {
-        let info = b
-            .create_gpu_instance(g, *profile_id, *placement)
-            .map_err(backend_err(format!(
-                "create GPU instance {profile} at {placement} on GPU {g}"
-            )))?;
-        made.push((g, info.id, None));
-        let c = b
-            .create_compute_instance(g, info.id)
-            .map_err(backend_err(format!(
-                "create compute instance in GPU {g} GI {}",
-                info.id
-            )))?;
-        if let Some(last) = made.last_mut() {
-            last.2 = Some(c.id);
-        }
-        (info.id, c.id, c.mig_uuid)
+    let (gid, c) = if *create {
+        create_instances(b, g, profile, *profile_id, *placement, made)?
     } else {
-        let (gid, c) = live
-            .get(&g)
+        live.get(&g)
             .and_then(|v| {
                 v.iter()
                     .find(|i| i.placement == *placement && i.profile_id == *profile_id)
@@ -269,9 +253,9 @@ fn make_one(
                 gpu: g,
                 profile: profile.clone(),
                 placement: *placement,
-            })?;
-        (gid, c.id, c.mig_uuid)
+            })?
     };
+    let (cid, uuid) = (c.id, c.mig_uuid);
     *gi = Some(gid);
     *ci = Some(cid);
     let Some(uuid) = uuid else {
@@ -292,6 +276,34 @@ fn make_one(
             )))?,
     ];
     Ok(())
+}
+
+/// Create a GPU instance of `profile` at `placement` and its compute
+/// instance, each pushed on `made` as soon as it exists. Blocking.
+fn create_instances(
+    b: &dyn GpuBackend,
+    g: u32,
+    profile: &str,
+    profile_id: u32,
+    placement: carve_model::Placement,
+    made: &mut Vec<(u32, u32, Option<u32>)>,
+) -> Result<(u32, carve_gpu::ComputeInstanceInfo), ClaimError> {
+    let info = b
+        .create_gpu_instance(g, profile_id, placement)
+        .map_err(backend_err(format!(
+            "create GPU instance {profile} at {placement} on GPU {g}"
+        )))?;
+    made.push((g, info.id, None));
+    let c = b
+        .create_compute_instance(g, info.id)
+        .map_err(backend_err(format!(
+            "create compute instance in GPU {g} GI {}",
+            info.id
+        )))?;
+    if let Some(last) = made.last_mut() {
+        last.2 = Some(c.id);
+    }
+    Ok((info.id, c))
 }
 
 /// Destroy what [`make_devices`] made, last first; errors are logged

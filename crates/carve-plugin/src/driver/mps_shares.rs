@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use carve_gpu::{ComputeMode, ComputeTarget, GpuBackend};
 use carve_model::DeviceName;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::error::backend_err;
 use super::mig::Live;
@@ -52,6 +53,54 @@ impl Neighbours {
     }
 }
 
+/// The MPS units the kept claims of `body` use, with their clients.
+fn kept_units(
+    body: &CheckpointBody,
+    pci: &BTreeMap<u32, String>,
+) -> BTreeMap<String, (carve_mps::MpsTarget, Vec<carve_mps::ClientSpec>)> {
+    let mut keep: BTreeMap<String, (carve_mps::MpsTarget, Vec<carve_mps::ClientSpec>)> =
+        BTreeMap::new();
+    for c in body.claims.values() {
+        for d in &c.devices {
+            let (Some(t), Some(cl)) = (
+                crate::mps::target_of(d, pci),
+                crate::mps::client_of(&c.uid, d),
+            ) else {
+                continue;
+            };
+            keep.entry(t.unit.clone())
+                .or_insert((t, Vec::new()))
+                .1
+                .push(cl);
+        }
+    }
+    keep
+}
+
+/// The shares' edits and cgroups as the reconciled daemons have them, by
+/// (claim UID, share ID).
+fn refresh_shares(
+    body: &mut CheckpointBody,
+    shares: &BTreeMap<(String, String), (carve_mps::ShareEdits, Option<std::path::PathBuf>)>,
+) {
+    for c in body.claims.values_mut() {
+        for d in &mut c.devices {
+            let Some(sid) = d.share_id.clone() else {
+                continue;
+            };
+            if let PreparedKind::Mps { share }
+            | PreparedKind::Mig {
+                mps: Some(share), ..
+            } = &mut d.kind
+                && let Some((edits, cgroup)) = shares.get(&(c.uid.clone(), sid))
+            {
+                share.edits = Some(edits.clone());
+                share.cgroup.clone_from(cgroup);
+            }
+        }
+    }
+}
+
 /// What a prepare needs to attach its MPS shares, owned by its blocking hop.
 pub(super) struct MpsJob {
     setup: MpsSetup,
@@ -65,6 +114,24 @@ pub(super) struct MpsJob {
 impl MpsJob {
     pub(super) fn claim_uid(&self) -> &str {
         &self.claim_uid
+    }
+
+    /// The compute modes of the GPUs that whole-GPU MPS shares among
+    /// `records` are on. Blocking.
+    pub(super) fn compute_modes(
+        b: &dyn GpuBackend,
+        records: &[DeviceRecord],
+    ) -> Result<BTreeMap<u32, ComputeMode>, ClaimError> {
+        records
+            .iter()
+            .filter(|d| matches!(d.kind, PreparedKind::Mps { .. }))
+            .map(|d| {
+                let g = d.gpu_index;
+                b.compute_mode(ComputeTarget::Gpu(g))
+                    .map(|m| (g, m))
+                    .map_err(backend_err(format!("read compute mode of GPU {g}")))
+            })
+            .collect()
     }
 
     /// Attach the shares of `records` to their daemons (starting them as
@@ -89,37 +156,33 @@ impl MpsJob {
     }
 }
 
-/// The compute modes of the GPUs that whole-GPU MPS shares among `records`
-/// are on. Blocking.
-pub(super) fn whole_gpu_compute_modes(
-    b: &dyn GpuBackend,
-    records: &[DeviceRecord],
-) -> Result<BTreeMap<u32, ComputeMode>, ClaimError> {
-    records
-        .iter()
-        .filter(|d| matches!(d.kind, PreparedKind::Mps { .. }))
-        .map(|d| {
-            let g = d.gpu_index;
-            b.compute_mode(ComputeTarget::Gpu(g))
-                .map(|m| (g, m))
-                .map_err(backend_err(format!("read compute mode of GPU {g}")))
+/// The pods a claim is reserved for (`status.reservedFor`), by UID: hard
+/// MPS limits bind a share to one of their cgroups.
+fn reserved_pods(rc: &ResourceClaim) -> Vec<String> {
+    rc.status
+        .as_ref()
+        .and_then(|s| s.reserved_for.as_ref())
+        .map(|v| {
+            v.iter()
+                .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
+                .map(|r| r.uid.clone())
+                .collect()
         })
-        .collect()
+        .unwrap_or_default()
 }
 
 impl Driver {
-    /// The MPS part of a prepare of `records`: `None` without MPS shares, an
-    /// error where the plugin runs without MPS.
+    /// The MPS part of a prepare of `rc`'s `records`: `None` without MPS
+    /// shares, an error where the plugin runs without MPS.
     pub(super) fn mps_job(
         &self,
-        claim_uid: &str,
+        rc: &ResourceClaim,
         records: &[DeviceRecord],
-        pods: &[String],
     ) -> Result<Option<MpsJob>, ClaimError> {
         Ok(self.mps_setup(records)?.map(|setup| MpsJob {
             setup,
-            claim_uid: claim_uid.to_string(),
-            pods: pods.to_vec(),
+            claim_uid: rc.metadata.uid.clone().unwrap_or_default(),
+            pods: reserved_pods(rc),
             pci: self.pci_map(),
         }))
     }
@@ -192,23 +255,7 @@ impl Driver {
             }
             return Ok(());
         };
-        let pci = self.pci_map();
-        let mut keep: BTreeMap<String, (carve_mps::MpsTarget, Vec<carve_mps::ClientSpec>)> =
-            BTreeMap::new();
-        for c in body.claims.values() {
-            for d in &c.devices {
-                let (Some(t), Some(cl)) = (
-                    crate::mps::target_of(d, &pci),
-                    crate::mps::client_of(&c.uid, d),
-                ) else {
-                    continue;
-                };
-                keep.entry(t.unit.clone())
-                    .or_insert((t, Vec::new()))
-                    .1
-                    .push(cl);
-            }
-        }
+        let keep = kept_units(body, &self.pci_map());
         let uuids: BTreeMap<u32, String> = self
             .gpus
             .iter()
@@ -229,22 +276,7 @@ impl Driver {
             .map_err(|e| PluginError::MpsRecovery {
                 source: Box::new(e),
             })?;
-        for c in body.claims.values_mut() {
-            for d in &mut c.devices {
-                let Some(sid) = d.share_id.clone() else {
-                    continue;
-                };
-                if let PreparedKind::Mps { share }
-                | PreparedKind::Mig {
-                    mps: Some(share), ..
-                } = &mut d.kind
-                    && let Some((edits, cgroup)) = r.shares.get(&(c.uid.clone(), sid))
-                {
-                    share.edits = Some(edits.clone());
-                    share.cgroup.clone_from(cgroup);
-                }
-            }
-        }
+        refresh_shares(body, &r.shares);
         report.mps_units = r.kept;
         report.mps_stopped = r.stopped;
         report.mps_failed = r.failed;

@@ -200,21 +200,6 @@ fn check_within_claim(planned: &[Planned]) -> Result<(), ClaimError> {
     Ok(())
 }
 
-/// The pods a claim is reserved for (`status.reservedFor`), by UID: hard
-/// MPS limits bind a share to one of their cgroups.
-pub(super) fn reserved_pods(rc: &ResourceClaim) -> Vec<String> {
-    rc.status
-        .as_ref()
-        .and_then(|s| s.reserved_for.as_ref())
-        .map(|v| {
-            v.iter()
-                .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
-                .map(|r| r.uid.clone())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// The in-memory record of a claim being prepared.
 pub(super) fn started(claim: &ClaimRef, planned: &[Planned]) -> ClaimRecord {
     ClaimRecord {

@@ -14,13 +14,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use carve_gpu::{ComputeMode, GpuBackend};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::Api;
 
 use super::mig::{
     GpuReads, InstanceGauges, Live, MigModeChanges, destroy_devices, make_devices, read_checked,
 };
-use super::mps_shares::{MpsJob, Neighbours, whole_gpu_compute_modes};
-use super::plan::{Planned, check_claims, plan_claim, reserved_pods, started};
+use super::mps_shares::{MpsJob, Neighbours};
+use super::plan::{Planned, check_claims, plan_claim, started};
 use super::{ClaimError, Driver, Gpu};
 use crate::cdi;
 use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord, PreparedKind};
@@ -120,9 +121,7 @@ impl Driver {
         }
         let planned = plan_claim(&self.config, &self.gpus, &rc)?;
         self.node_driver(&planned).await?;
-        let devs = self
-            .prepare_planned(claim, planned, &reserved_pods(&rc))
-            .await?;
+        let devs = self.prepare_planned(claim, &rc, planned).await?;
         self.start_status_write(api.clone(), &rc, claim).await;
         tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
         Ok(devs)
@@ -132,12 +131,12 @@ impl Driver {
     async fn prepare_planned(
         &self,
         claim: &ClaimRef,
+        rc: &ResourceClaim,
         planned: Vec<Planned>,
-        pods: &[String],
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let gpu_ids: BTreeSet<u32> = planned.iter().map(|p| p.record.gpu_index).collect();
         let _gpus = self.lock_gpus(&gpu_ids).await;
-        let job = self.reserve(claim, &planned, &gpu_ids, pods).await?;
+        let job = self.reserve(claim, rc, &planned, &gpu_ids).await?;
         let made = self.make(claim, job).await?;
         let rec = self.complete(claim, made).await?;
         self.record_mps(&*self.state.lock().await);
@@ -149,12 +148,12 @@ impl Driver {
     async fn reserve(
         &self,
         claim: &ClaimRef,
+        rc: &ResourceClaim,
         planned: &[Planned],
         gpu_ids: &BTreeSet<u32>,
-        pods: &[String],
     ) -> Result<HardwareJob, ClaimError> {
         let records: Vec<DeviceRecord> = planned.iter().map(|p| p.record.clone()).collect();
-        let mps = self.mps_job(&claim.uid, &records, pods)?;
+        let mps = self.mps_job(rc, &records)?;
         let neighbours = {
             let mut st = self.state.lock().await;
             let n = Neighbours::of(&st, &claim.uid);
@@ -422,7 +421,10 @@ impl HardwareJob {
         let reads = read_checked(b, &self.gpus, &self.records, |d| {
             self.neighbours.shares_unit_of(d)
         })?;
-        let modes = whole_gpu_compute_modes(b, &self.records)?;
+        let modes = match &self.mps {
+            Some(_) => MpsJob::compute_modes(b, &self.records)?,
+            None => BTreeMap::new(),
+        };
         let mig = self.mig_mode_changes(&reads)?;
         let compute_mode_intent = modes
             .iter()

@@ -183,39 +183,11 @@ impl Driver {
         let path = PathBuf::from(name);
         let cp = self.config.checkpoint_path.clone();
         let known = self.disk().file.clone();
-        let reread = move |f: std::fs::File| {
-            let loaded = match checkpoint::read_bytes(&cp) {
-                Ok(Some(bytes)) => match known {
-                    Some((k, body)) if *k == *bytes => Ok(Reread::Unchanged(body)),
-                    _ => Checkpoint::decode(&cp, &bytes)
-                        .map(|c| Reread::Changed(bytes.into(), Box::new(c))),
-                },
-                Ok(None) => Ok(Reread::Missing),
-                Err(e) => Err(e),
-            };
-            (f, loaded)
-        };
+        let reread = move |f: std::fs::File| (f, reread(&cp, known));
         // Opening, an uncontended lock and rereading a file of a few KB are
         // a handful of syscalls: done here. Only a lock held by the other
         // plugin pod of a rolling update is waited for, on a blocking thread.
-        let open = || {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-        };
-        // The directory is made when the lock file cannot be (the first
-        // time, or after an administrator removed it), not on every call.
-        let f = match open() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir)?;
-                }
-                open()?
-            }
-            r => r?,
-        };
+        let f = open_lock_file(&path)?;
         let (file, loaded) = match f.try_lock() {
             Ok(()) => reread(f),
             Err(std::fs::TryLockError::WouldBlock) => blocking(move || -> std::io::Result<_> {
@@ -226,6 +198,16 @@ impl Driver {
             .map_err(std::io::Error::other)??,
             Err(std::fs::TryLockError::Error(e)) => return Err(e),
         };
+        self.take_reread(loaded).await;
+        Ok(Some(HostLock {
+            _file: file,
+            _local: local,
+        }))
+    }
+
+    /// Make what [`Self::host_lock`] reread the in-memory state (keeping
+    /// this boot's id); a file that could not be read leaves it as it is.
+    async fn take_reread(&self, loaded: Result<Reread, CheckpointError>) {
         let body = match loaded {
             Ok(Reread::Unchanged(body)) => Some(body),
             Ok(Reread::Changed(bytes, c)) => {
@@ -243,10 +225,6 @@ impl Driver {
             let boot_id = std::mem::take(&mut st.boot_id);
             *st = CheckpointBody { boot_id, ..body };
         }
-        Ok(Some(HostLock {
-            _file: file,
-            _local: local,
-        }))
     }
 
     /// [`Self::host_lock`] for a claim's operation: a failure is that claim's error.
@@ -281,6 +259,43 @@ impl Driver {
         self.written(bytes, &body);
         *self.state.lock().await = body;
         Ok(())
+    }
+}
+
+/// Open (creating) the host lock's file. Its directory is made when the
+/// file cannot be (the first time, or after an administrator removed it),
+/// not on every call.
+fn open_lock_file(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+    };
+    match open() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            open()
+        }
+        r => r,
+    }
+}
+
+/// The checkpoint at `cp`, parsed only when its bytes are not `known` (the
+/// bytes this process last wrote or read, with their body).
+fn reread(
+    cp: &std::path::Path,
+    known: Option<(Arc<[u8]>, CheckpointBody)>,
+) -> Result<Reread, CheckpointError> {
+    match checkpoint::read_bytes(cp)? {
+        Some(bytes) => match known {
+            Some((k, body)) if *k == *bytes => Ok(Reread::Unchanged(body)),
+            _ => Checkpoint::decode(cp, &bytes).map(|c| Reread::Changed(bytes.into(), Box::new(c))),
+        },
+        None => Ok(Reread::Missing),
     }
 }
 

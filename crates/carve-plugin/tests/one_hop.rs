@@ -1,9 +1,10 @@
-//! Prepare's one-hop path: a MIG claim without MPS on a GPU last seen in MIG
-//! mode reads the GPU, checks the placement and creates the instance in one
-//! blocking hop. What it must still see: a GPU taken out of MIG mode behind
-//! the plugin's back (the general path then turns MIG mode on again), and a
-//! placement taken behind its back (refused, nothing created, nothing
-//! recorded). The first prepare on each GPU warms the driver's view of it.
+//! Prepare's one blocking hop: a MIG claim without MPS on a GPU in MIG
+//! mode is read, checked and made in one hop. What that hop must still see:
+//! a GPU taken out of MIG mode behind the plugin's back (the hop then stops
+//! before changing anything, the intent to turn MIG mode on again is written,
+//! and a second hop makes the instance), and a placement taken behind its
+//! back (refused, nothing created, nothing recorded). The first prepare on
+//! each GPU is a claim like any other.
 
 mod common;
 

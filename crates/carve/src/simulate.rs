@@ -66,8 +66,10 @@ const EXPLAIN_LINES: usize = 8;
 /// same-GPU constraint comes early; applied after `mig-by-memory` and
 /// `mig-first-available` it does not fit on the default node (the static
 /// device order spreads those two over both H100s). The MIG claims fill both
-/// H100s; `whole-gpu`, the two MPS shares (one GPU, one daemon) and
-/// `timeslice` each need a GPU of their own: the A100s.
+/// H100s but for a 2g.20gb placement at slice 0 of the second, where
+/// `mig-mps` (a Pod and its ResourceClaimTemplate) goes last; `whole-gpu`,
+/// the two MPS shares (one GPU, one daemon) and `timeslice` each need a GPU
+/// of their own: the A100s.
 /// Built-in examples that stay pending by design, and why: their pending is
 /// the result they show, not a failure of the run.
 const STAYS_PENDING: &[(&str, &str)] = &[(
@@ -108,6 +110,10 @@ const EXAMPLES: &[(&str, &str)] = &[
         "examples/timeslice/claim.yaml",
         include_str!("../../../examples/timeslice/claim.yaml"),
     ),
+    (
+        "examples/mig-mps/pod.yaml",
+        include_str!("../../../examples/mig-mps/pod.yaml"),
+    ),
 ];
 
 #[derive(Debug, clap::Args)]
@@ -116,8 +122,8 @@ pub struct SimulateArgs {
     /// Every GPU starts with MIG mode off: on Hopper and newer the plugin turns it
     /// on when a claim needs it; an Ampere GPU (where that needs a reset) is
     /// published as a whole GPU only. The default has room for every example: the
-    /// MIG ones on the H100s, the whole GPU, the MPS shares and the time-sliced
-    /// GPU on one A100 each.
+    /// MIG ones and the MIG-MPS share on the H100s, the whole GPU, the MPS shares
+    /// and the time-sliced GPU on one A100 each.
     #[arg(long, default_value = "h100-80gb:2,a100-40gb:3")]
     pub gpus: String,
     /// Shared devices the plugin publishes besides MIG partitions and whole GPUs
@@ -128,7 +134,7 @@ pub struct SimulateArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_values = ["mps", "timeslice"]
+        default_values = ["mps", "mig-mps", "timeslice"]
     )]
     pub sharing: Vec<SimSharing>,
     /// MPS control protocol the plugin uses (its `--mps-protocol`): `v3` gives
@@ -137,9 +143,11 @@ pub struct SimulateArgs {
     /// client variables; `auto` takes the strongest.
     #[arg(long, value_enum, default_value = "auto")]
     pub mps_protocol: MpsProtocol,
-    /// Claims to apply instead of the built-in examples: a directory of claim YAML
-    /// files (`*.yaml`, `*.yml`) or of subdirectories holding `claim.yaml`, applied
-    /// in name order. DeviceClasses found there are added to the built-in ones.
+    /// Claims to apply instead of the built-in examples: a directory of YAML files
+    /// (`*.yaml`, `*.yml`) or of subdirectories holding `claim.yaml` or `pod.yaml`,
+    /// applied in name order. They hold ResourceClaims, or ResourceClaimTemplates
+    /// and the Pods that name them (the claim is then reserved for that pod).
+    /// DeviceClasses found there are added to the built-in ones.
     #[arg(long)]
     pub claims: Option<PathBuf>,
     /// Kubernetes version the API-server stand-in reports (decides the slice layout).
@@ -223,6 +231,9 @@ struct SourcedClaim {
     source: String,
     /// The claim, namespace filled in.
     claim: ResourceClaim,
+    /// The Pod of the same file whose `spec.resourceClaims` names it (the
+    /// claim is reserved for it); `None`: a made-up `<claim>-pod`.
+    pod: Option<String>,
 }
 
 impl SourcedClaim {
@@ -381,7 +392,7 @@ fn load_claims(dir: Option<&Path>) -> anyhow::Result<ClaimSet> {
             }
             if set.claims.is_empty() {
                 bail!(
-                    "--claims {}: no ResourceClaim found (looked in *.yaml and *.yml files and in */claim.yaml)",
+                    "--claims {}: no ResourceClaim found, nor a ResourceClaimTemplate (looked in *.yaml and *.yml files and in */claim.yaml and */pod.yaml)",
                     dir.display()
                 );
             }
@@ -390,7 +401,8 @@ fn load_claims(dir: Option<&Path>) -> anyhow::Result<ClaimSet> {
     Ok(set)
 }
 
-/// `dir/*.yaml`, `dir/*.yml` and `dir/*/claim.yaml`, in name order.
+/// `dir/*.yaml`, `dir/*.yml`, `dir/*/claim.yaml` and `dir/*/pod.yaml`, in
+/// name order.
 fn claim_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir)
         .with_context(|| format!("--claims {}: cannot read the directory", dir.display()))?;
@@ -403,9 +415,11 @@ fn claim_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for p in entries {
         if p.is_dir() {
-            let c = p.join("claim.yaml");
-            if c.is_file() {
-                files.push(c);
+            for name in ["claim.yaml", "pod.yaml"] {
+                let c = p.join(name);
+                if c.is_file() {
+                    files.push(c);
+                }
             }
         } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
             files.push(p);
@@ -415,8 +429,11 @@ fn claim_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 fn add_objects(set: &mut ClaimSet, source: &str, objs: Vec<Object>) -> anyhow::Result<()> {
+    let first = set.claims.len();
+    let mut pods = Vec::new();
     for (k, o) in objs.into_iter().enumerate() {
         match o {
+            Object::Pod(p) => pods.push(*p),
             Object::Claim(mut c) => {
                 if c.metadata.name.as_deref().unwrap_or_default().is_empty() {
                     bail!("{source}: ResourceClaim #{k}: field metadata.name is missing");
@@ -438,6 +455,7 @@ fn add_objects(set: &mut ClaimSet, source: &str, objs: Vec<Object>) -> anyhow::R
                 let new = SourcedClaim {
                     source: source.to_string(),
                     claim: c,
+                    pod: None,
                 };
                 if let Some(old) = set
                     .claims
@@ -462,6 +480,66 @@ fn add_objects(set: &mut ClaimSet, source: &str, objs: Vec<Object>) -> anyhow::R
                 s.metadata.name.as_deref().unwrap_or_default()
             ),
         }
+    }
+    for pod in &pods {
+        reserve_for_pod(&mut set.claims[first..], source, pod)?;
+    }
+    Ok(())
+}
+
+/// Reserve the claims a Pod of `source` names (`spec.resourceClaims`, by
+/// template or claim name, in the pod's namespace) for that pod. A name that
+/// is not among the file's claims and templates is an error: the pod would
+/// never start.
+fn reserve_for_pod(
+    claims: &mut [SourcedClaim],
+    source: &str,
+    pod: &k8s_openapi::api::core::v1::Pod,
+) -> anyhow::Result<()> {
+    let Some(name) = pod.metadata.name.as_deref().filter(|n| !n.is_empty()) else {
+        bail!("{source}: Pod: field metadata.name is missing");
+    };
+    let namespace = pod
+        .metadata
+        .namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        .unwrap_or(DEFAULT_NAMESPACE);
+    let refs = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_ref())
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if refs.is_empty() {
+        bail!("{source}: Pod {namespace}/{name}: spec.resourceClaims is empty; it uses no claim");
+    }
+    for (i, r) in refs.iter().enumerate() {
+        let target = r
+            .resource_claim_template_name
+            .as_deref()
+            .or(r.resource_claim_name.as_deref())
+            .ok_or_else(|| {
+                anyhow!(
+                    "{source}: Pod {namespace}/{name}: spec.resourceClaims[{i}] ({}) names neither resourceClaimTemplateName nor resourceClaimName",
+                    r.name
+                )
+            })?;
+        let claim = claims
+            .iter_mut()
+            .find(|c| c.name() == target && c.namespace() == namespace)
+            .ok_or_else(|| {
+                anyhow!(
+                    "{source}: Pod {namespace}/{name}: spec.resourceClaims[{i}] ({}) names {target}, which is not a ResourceClaim or ResourceClaimTemplate of this file",
+                    r.name
+                )
+            })?;
+        if let Some(other) = &claim.pod {
+            bail!(
+                "{source}: Pod {namespace}/{name}: claim {target} is already used by Pod {other}; simulate gives each pod's claim its own template"
+            );
+        }
+        claim.pod = Some(name.to_string());
     }
     Ok(())
 }
@@ -881,9 +959,10 @@ struct Pod {
 }
 
 impl Pod {
-    /// A new pod for claim `claim` with a fresh UID and its cgroup directory
-    /// (cgroupfs driver, BestEffort QoS).
-    fn create(node: &Node, claim: &str) -> anyhow::Result<Self> {
+    /// The pod of claim `claim` (the Pod that names it, or a made-up
+    /// `<claim>-pod`) with a fresh UID and its cgroup directory (cgroupfs
+    /// driver, BestEffort QoS).
+    fn create(node: &Node, claim: &SourcedClaim) -> anyhow::Result<Self> {
         let src = "/proc/sys/kernel/random/uuid";
         let uid = std::fs::read_to_string(src)
             .with_context(|| format!("reading a pod UID from {src}"))?
@@ -893,7 +972,10 @@ impl Pod {
         let dir = node.cgroup_root.join(&cgroup);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         Ok(Self {
-            name: format!("{claim}-pod"),
+            name: claim
+                .pod
+                .clone()
+                .unwrap_or_else(|| format!("{}-pod", claim.name())),
             uid,
             cgroup,
         })
@@ -1299,17 +1381,39 @@ fn published_text(node: &Node, slices: &[ResourceSlice]) -> String {
             }
             None => ("-".to_string(), "devices of no GPU".to_string()),
         };
-        let d: Vec<String> = g.devices.iter().map(|(k, v)| format!("{k}×{v}")).collect();
-        let _ = write!(out, "\n  {name} ({about}): {}", d.join(" "));
-        // The summary counts MIG-MPS devices under their profile.
-        let mig_mps = slices
-            .iter()
-            .flat_map(|s| s.spec.devices.iter().flatten())
-            .filter_map(|d| d.name.parse::<DeviceName>().ok())
-            .filter(|n| matches!(n, DeviceName::MigMps { .. }) && Some(n.gpu()) == g.gpu)
-            .count();
-        if mig_mps > 0 {
-            let _ = write!(out, " (of the MIG devices, {mig_mps} are MIG-MPS)");
+        // The summary counts MIG-MPS devices under their profile: listed
+        // apart, so a profile's count is its MIG devices.
+        let mut devices = g.devices.clone();
+        let mut mig_mps: BTreeMap<String, usize> = BTreeMap::new();
+        for d in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+            let Ok(n @ DeviceName::MigMps { .. }) = d.name.parse::<DeviceName>() else {
+                continue;
+            };
+            if Some(n.gpu()) != g.gpu {
+                continue;
+            }
+            let profile = d
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get("profile"))
+                .and_then(|a| a.string.clone())
+                .or_else(|| n.mig_placement().map(|(p, _)| p))
+                .unwrap_or_default();
+            if let Some(c) = devices.get_mut(&profile) {
+                *c = c.saturating_sub(1);
+            }
+            *mig_mps.entry(profile).or_default() += 1;
+        }
+        devices.retain(|_, c| *c > 0);
+        let list = |m: &BTreeMap<String, usize>| {
+            m.iter()
+                .map(|(k, v)| format!("{k}×{v}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let _ = write!(out, "\n  {name} ({about}): {}", list(&devices));
+        if !mig_mps.is_empty() {
+            let _ = write!(out, "; MIG-MPS {}", list(&mig_mps));
         }
     }
     out
@@ -1436,7 +1540,7 @@ async fn prepare(
         .ok_or_else(|| anyhow!("ResourceClaim {label}: the API server gave it no uid"))?;
     // The scheduler reserves the claim for the pod it binds; the kubelet has
     // created the pod's cgroup by the time it prepares the pod's claims.
-    let pod = Pod::create(s.node, c.name())?;
+    let pod = Pod::create(s.node, c)?;
     let patch = serde_json::json!({"status": {
         "allocation": result,
         "reservedFor": [{"resource": "pods", "name": pod.name, "uid": pod.uid}],
@@ -2354,12 +2458,12 @@ mod tests {
         let mut on_disk: Vec<String> = std::fs::read_dir(&root)
             .unwrap()
             .map(|e| e.unwrap().path())
-            .filter(|p| p.join("claim.yaml").is_file())
-            .map(|p| {
-                format!(
-                    "examples/{}/claim.yaml",
-                    p.file_name().unwrap().to_string_lossy()
-                )
+            .flat_map(|p| {
+                ["claim.yaml", "pod.yaml"]
+                    .into_iter()
+                    .filter(|f| p.join(f).is_file())
+                    .map(|f| format!("examples/{}/{f}", p.file_name().unwrap().to_string_lossy()))
+                    .collect::<Vec<_>>()
             })
             .collect();
         on_disk.sort();
@@ -2409,6 +2513,51 @@ mod tests {
             set.classes
                 .iter()
                 .any(|c| c.metadata.name.as_deref() == Some("gpu.carve.dev"))
+        );
+    }
+
+    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata: {name: POD}\nspec:\n  containers:\n  - name: c\n    image: i\n    resources: {claims: [{name: gpu}]}\n  resourceClaims:\n  - name: gpu\n    resourceClaimTemplateName: TEMPLATE\n";
+
+    fn template(name: &str) -> String {
+        format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {{name: {name}}}\nspec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly: {{deviceClassName: gpu.carve.dev}}\n"
+        )
+    }
+
+    #[test]
+    fn a_pods_template_claim_is_reserved_for_that_pod() {
+        let d = tempfile::tempdir().unwrap();
+        let pod = POD.replace("POD", "trainer").replace("TEMPLATE", "one-gpu");
+        write(
+            d.path(),
+            "t/pod.yaml",
+            &format!("{}---\n{pod}", template("one-gpu")),
+        );
+        write(d.path(), "u.yaml", &claim("plain"));
+        let set = load_claims(Some(d.path())).unwrap();
+        let pods: Vec<(&str, Option<&str>)> = set
+            .claims
+            .iter()
+            .map(|c| (c.name(), c.pod.as_deref()))
+            .collect();
+        assert_eq!(pods, [("one-gpu", Some("trainer")), ("plain", None)]);
+
+        // A pod naming a template that is not there would never start.
+        let bad = d.path().join("bad");
+        write(
+            &bad,
+            "p.yaml",
+            &format!(
+                "{}---\n{}",
+                template("one-gpu"),
+                POD.replace("POD", "trainer")
+                    .replace("TEMPLATE", "two-gpus")
+            ),
+        );
+        let e = format!("{:#}", load_claims(Some(&bad)).unwrap_err());
+        assert!(
+            e.contains("p.yaml: Pod default/trainer: spec.resourceClaims[0] (gpu) names two-gpus, which is not a ResourceClaim or ResourceClaimTemplate of this file"),
+            "{e}"
         );
     }
 

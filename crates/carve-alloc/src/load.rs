@@ -33,13 +33,14 @@ pub enum Object {
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     /// The file could not be read.
-    #[error("{}: {source}", path.display())]
+    /// The message names the OS error; it is not also the error's `source`,
+    /// or a printed chain would say it twice.
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// The OS error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A document is not YAML.
     #[error("{} document {index}: not valid YAML: {msg}", path.display())]
@@ -306,9 +307,9 @@ pub fn parse_yaml_documents(path: &Path, text: &str) -> Result<Vec<Object>, Load
 /// ResourceClaims.
 pub fn load_yaml_documents(path: impl AsRef<Path>) -> Result<Vec<Object>, LoadError> {
     let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+    let text = std::fs::read_to_string(path).map_err(|error| LoadError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     parse_yaml_documents(path, &text)
 }

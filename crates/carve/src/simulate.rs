@@ -265,8 +265,9 @@ struct ClaimSet {
 pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
     let models =
         slices::parse_gpu_spec(&args.gpus).with_context(|| format!("--gpus {:?}", args.gpus))?;
+    // The layout's error names the version.
     KubeLayout::for_version(args.kube_version.major, args.kube_version.minor)
-        .with_context(|| format!("--kube-version {}", args.kube_version))?;
+        .context("--kube-version")?;
     if args.sharing.contains(&SimSharing::None) && args.sharing.len() > 1 {
         bail!(
             "--sharing none cannot be combined with other kinds (got {})",
@@ -1468,7 +1469,7 @@ async fn apply_all(
                 }
                 continue;
             }
-            Err((e, label)) => return Err(anyhow!(e).context(format!("claim {label}"))),
+            Err((e, label)) => return Err(claim_error(e, c, &label)),
         };
         match prepare(s, c, result).await? {
             Ok(p) => {
@@ -1492,6 +1493,29 @@ async fn apply_all(
     Ok(())
 }
 
+/// An allocator error about claim `c`, with `label` (the claim and where it
+/// came from) in front, or only the claim's file where the error names the
+/// claim itself.
+fn claim_error(e: AllocError, c: &SourcedClaim, label: &str) -> anyhow::Error {
+    let names_claim = match &e {
+        AllocError::UnknownClass { .. }
+        | AllocError::InvalidClaim { .. }
+        | AllocError::AlreadyFits { .. }
+        | AllocError::NeverFits { .. }
+        | AllocError::NoPlan { .. } => true,
+        AllocError::CelCompile { owner, .. }
+        | AllocError::CelTooLong { owner, .. }
+        | AllocError::CelTooCostly { owner, .. }
+        | AllocError::Cel { owner, .. } => owner.starts_with("claim "),
+        AllocError::Unsatisfiable(_) | AllocError::InvalidSlice { .. } => false,
+    };
+    if names_claim {
+        anyhow!(e).context(c.source.clone())
+    } else {
+        anyhow!(e).context(format!("claim {label}"))
+    }
+}
+
 /// The claim's DeviceClasses for which no published device matches (each
 /// probed with a one-device request on the empty node).
 fn classes_without_devices(s: &Session<'_>, c: &SourcedClaim) -> anyhow::Result<Vec<String>> {
@@ -1511,7 +1535,9 @@ fn classes_without_devices(s: &Session<'_>, c: &SourcedClaim) -> anyhow::Result<
             Ok(_) => {}
             Err(AllocError::Unsatisfiable(_)) => missing.push(class),
             Err(e) => {
-                return Err(anyhow!(e).context(format!("claim {}: DeviceClass {class}", c.label())));
+                // The probe claim has no selector of its own: what can go
+                // wrong is the class's (its errors name it) or the slices'.
+                return Err(anyhow!(e).context(format!("claim {}", c.label())));
             }
         }
     }

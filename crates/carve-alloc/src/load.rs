@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
@@ -21,6 +22,10 @@ pub enum Object {
     /// `ResourceClaimTemplate` stands for (named after the template, with its
     /// `spec.spec`, as the claim controller would create it for a pod).
     Claim(ResourceClaim),
+    /// A `v1` Pod, as users write it next to the `ResourceClaimTemplate` its
+    /// `spec.resourceClaims` name. Decoded as strictly as the others; the
+    /// allocator does not read it ([`Inputs::from_objects`] leaves it out).
+    Pod(Box<Pod>),
 }
 
 /// Why a file could not be loaded; every variant names the file, and the
@@ -28,13 +33,14 @@ pub enum Object {
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     /// The file could not be read.
-    #[error("{}: {source}", path.display())]
+    /// The message names the OS error; it is not also the error's `source`,
+    /// or a printed chain would say it twice.
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// The OS error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A document is not YAML.
     #[error("{} document {index}: not valid YAML: {msg}", path.display())]
@@ -57,7 +63,7 @@ pub enum LoadError {
         field: &'static str,
     },
     /// A document is of a type this tool does not read.
-    #[error("{} document {index}{}: unsupported object {api_version}/{kind} (expected resource.k8s.io/v1 ResourceSlice, DeviceClass, ResourceClaim or ResourceClaimTemplate, or a v1 List of them)", path.display(), item_suffix(*item))]
+    #[error("{} document {index}{}: unsupported object {api_version}/{kind} (expected resource.k8s.io/v1 ResourceSlice, DeviceClass, ResourceClaim or ResourceClaimTemplate, a v1 Pod, or a v1 List of them)", path.display(), item_suffix(*item))]
     UnknownKind {
         /// The file.
         path: PathBuf,
@@ -247,6 +253,7 @@ fn decode_object(
             }
             return Ok(());
         }
+        ("v1", "Pod") => Object::Pod(Box::new(decode(at, &kind, value)?)),
         ("resource.k8s.io/v1", "ResourceSlice") => Object::Slice(decode(at, &kind, value)?),
         ("resource.k8s.io/v1", "DeviceClass") => Object::Class(decode(at, &kind, value)?),
         ("resource.k8s.io/v1", "ResourceClaim") => Object::Claim(decode(at, &kind, value)?),
@@ -300,16 +307,17 @@ pub fn parse_yaml_documents(path: &Path, text: &str) -> Result<Vec<Object>, Load
 /// ResourceClaims.
 pub fn load_yaml_documents(path: impl AsRef<Path>) -> Result<Vec<Object>, LoadError> {
     let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+    let text = std::fs::read_to_string(path).map_err(|error| LoadError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     parse_yaml_documents(path, &text)
 }
 
 impl Inputs {
     /// Sorts objects into inputs; claims with `status.allocation` become
-    /// allocated claims, the others are returned as claims to allocate.
+    /// allocated claims, the others are returned as claims to allocate. Pods
+    /// are left out (their claims come from the templates beside them).
     pub fn from_objects(objects: impl IntoIterator<Item = Object>) -> (Inputs, Vec<ResourceClaim>) {
         let mut inputs = Inputs::default();
         let mut pending = Vec::new();
@@ -317,6 +325,7 @@ impl Inputs {
             match o {
                 Object::Slice(s) => inputs.slices.push(s),
                 Object::Class(c) => inputs.classes.push(c),
+                Object::Pod(_) => {}
                 Object::Claim(c) => {
                     if c.status
                         .as_ref()

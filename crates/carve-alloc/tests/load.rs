@@ -31,12 +31,38 @@ fn reads_every_kind_and_sorts_claims() {
 }
 
 #[test]
+fn a_pod_is_read_strictly_and_left_out_of_the_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let pod = "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  containers:\n  - name: c\n    image: i\n    resources:\n      claims: [{name: gpu}]\n  resourceClaims:\n  - name: gpu\n    resourceClaimTemplateName: t\n";
+    let ok = write(&dir, "pod.yaml", pod);
+    let objs = load_yaml_documents(&ok).unwrap();
+    assert!(
+        matches!(&objs[..], [carve_alloc::Object::Pod(_)]),
+        "{objs:?}"
+    );
+    let (inputs, pending) = Inputs::from_objects(objs);
+    assert!(pending.is_empty() && inputs.claims_allocated.is_empty());
+    // A typo in the pod is named, as the API server's strict decoding names it.
+    let typo = write(
+        &dir,
+        "typo.yaml",
+        &pod.replace("resourceClaimTemplateName", "resourceClaimTemplate"),
+    );
+    let err = load_yaml_documents(&typo).unwrap_err().to_string();
+    assert!(
+        err.contains("typo.yaml document 0 (Pod)")
+            && err.contains("unknown field \"spec.resourceClaims.0.resourceClaimTemplate\""),
+        "{err}"
+    );
+}
+
+#[test]
 fn errors_name_file_document_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let unknown = write(
         &dir,
         "u.yaml",
-        "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {name: a}\n---\napiVersion: v1\nkind: Pod\n",
+        "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {name: a}\n---\napiVersion: apps/v1\nkind: Deployment\n",
     );
     let err = load_yaml_documents(&unknown).unwrap_err();
     assert!(
@@ -46,7 +72,7 @@ fn errors_name_file_document_and_field() {
     assert_eq!(
         err.to_string(),
         format!(
-            "{} document 1: unsupported object v1/Pod (expected resource.k8s.io/v1 ResourceSlice, DeviceClass, ResourceClaim or ResourceClaimTemplate, or a v1 List of them)",
+            "{} document 1: unsupported object apps/v1/Deployment (expected resource.k8s.io/v1 ResourceSlice, DeviceClass, ResourceClaim or ResourceClaimTemplate, a v1 Pod, or a v1 List of them)",
             unknown.display()
         )
     );
@@ -167,7 +193,7 @@ fn a_list_contributes_its_items_and_a_template_its_claim() {
     let bad = write(
         &dir,
         "bad.yaml",
-        "apiVersion: v1\nkind: List\nitems:\n- apiVersion: resource.k8s.io/v1\n  kind: DeviceClass\n  metadata: {name: a}\n- apiVersion: v1\n  kind: Pod\n",
+        "apiVersion: v1\nkind: List\nitems:\n- apiVersion: resource.k8s.io/v1\n  kind: DeviceClass\n  metadata: {name: a}\n- apiVersion: apps/v1\n  kind: Deployment\n",
     );
     let err = load_yaml_documents(&bad).unwrap_err();
     assert!(

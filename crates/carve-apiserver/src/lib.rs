@@ -48,14 +48,15 @@ pub use strategy::FeatureGate;
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The listening socket could not be bound.
-    #[error("cannot listen on {addr}: {source}")]
+    /// The listening socket could not be bound. The message names the OS
+    /// error; it is not also the error's `source`, or a printed chain would
+    /// say it twice.
+    #[error("cannot listen on {addr}: {error}")]
     Bind {
         /// The address asked for.
         addr: SocketAddr,
         /// The OS error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// An object handed to [`Store::insert`] is not acceptable.
     #[error("invalid {resource} object: {reason}")]

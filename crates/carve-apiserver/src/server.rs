@@ -162,10 +162,10 @@ async fn accept_loop(
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), Error> {
     let listener = TcpListener::bind(addr)
         .await
-        .map_err(|source| Error::Bind { addr, source })?;
+        .map_err(|error| Error::Bind { addr, error })?;
     let local = listener
         .local_addr()
-        .map_err(|source| Error::Bind { addr, source })?;
+        .map_err(|error| Error::Bind { addr, error })?;
     Ok((listener, local))
 }
 

@@ -209,8 +209,13 @@ impl NvmlBackend {
             NvmlError::FailedToLoadSymbol(_) => BackendError::MissingSymbol {
                 symbol: "nvmlInit_v2".into(),
             },
+            // The loader's message (dlerror) names the file when it could
+            // not open it; name it once.
             e => BackendError::Unavailable {
-                reason: format!("{lib}: {e}"),
+                reason: match e.to_string() {
+                    m if m.contains(&lib) => m,
+                    m => format!("{lib}: {m}"),
+                },
             },
         })?;
         if nvml.lib().nvmlShutdown.as_ref().is_err() {

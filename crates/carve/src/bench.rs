@@ -3,6 +3,8 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+
 use carve_model::slices::KubeLayout;
 
 #[derive(Debug, clap::Subcommand)]
@@ -99,6 +101,8 @@ pub struct SlicesBench {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Slices(a) => {
+            // Checked here so that the error names the flag, and the model once.
+            crate::find_model(&a.model).context("--model")?;
             let layout = KubeLayout::for_version(a.kube_version.major, a.kube_version.minor)?;
             let rt = tokio::runtime::Runtime::new()?;
             let figures = rt.block_on(carve_kube::bench::run(

@@ -91,8 +91,8 @@ impl NvmlArgs {
             lib_path: Some(self.nvml_lib.clone()),
             proc_root: self.proc_driver_nvidia.clone(),
         };
-        carve_nvml::NvmlBackend::open(opts)
-            .map_err(|e| anyhow::anyhow!("opening NVML from {}: {e}", self.nvml_lib.display()))
+        // The backend's error names the library it tried.
+        carve_nvml::NvmlBackend::open(opts).map_err(|e| anyhow::anyhow!("opening NVML: {e}"))
     }
 }
 
@@ -234,10 +234,30 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("carve: {e:#}");
+            eprintln!("carve: {}", error_text(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, `: `-joined as `{:#}` prints them, but a cause
+/// whose text the message before it already ends with is said once: an
+/// error type of a library that puts its source both in its message and in
+/// `source()` would otherwise repeat it ("...: No such file or directory
+/// (os error 2): No such file or directory (os error 2)").
+fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 fn run(cmd: Command) -> anyhow::Result<ExitCode> {

@@ -158,11 +158,16 @@ impl GpuPicture {
         for (k, h) in self.held.iter().enumerate() {
             let _ = writeln!(
                 out,
-                "   {} = {} {} at slice {}",
+                "   {} = {} {} at slice {}{}",
                 letter(k),
                 h.holder,
                 h.profile,
-                h.start
+                h.start,
+                if h.shared {
+                    " (MIG instance shared through MPS)"
+                } else {
+                    ""
+                }
             );
         }
         if let Some(w) = &self.whole {

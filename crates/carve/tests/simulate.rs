@@ -212,6 +212,11 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         out.contains("1g.10gb×7"),
         "H100 MIG devices published: {out}"
     );
+    // MIG-MPS devices (on by default) are counted apart from the MIG ones.
+    assert!(
+        out.contains("timeslice×1; MIG-MPS 1g.10gb×7 "),
+        "H100 MIG-MPS devices published: {out}"
+    );
     for name in [
         "mig-1g",
         "mig-by-memory",
@@ -266,6 +271,39 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
     // device enforces memory hard today, so the example demanding `hard`
     // finds no device. 33 SMs round up to 34.
     let a = check_mps_share(&out, "mps-share", 10240, 34, "v3", "client");
+    assert!(
+        block(&out, "mps-share")
+            .iter()
+            .any(|l| l.contains("request gpu -> gpu-3-mps: MPS share ")),
+        "mps-share takes a whole-GPU MPS device: {out}"
+    );
+    // The Pod and ResourceClaimTemplate of examples/mig-mps: an MPS share of
+    // a 2g.20gb MIG instance with the template's limits (16 of its 32 SMs),
+    // reserved for the pod the file names.
+    let m = check_mps_share(&out, "mig-mps", 8192, 16, "v3", "client");
+    let mig_mps = block(&out, "mig-mps");
+    assert!(
+        mig_mps[0].contains("(examples/mig-mps/pod.yaml)"),
+        "{mig_mps:#?}"
+    );
+    assert!(
+        mig_mps.iter().any(
+            |l| l.contains("request gpu -> gpu-1-mig-2g20gb-0-mps: MPS share ")
+                && l.contains("(2g.20gb at memory slice 0, GPU instance")
+        ),
+        "{mig_mps:#?}\n{out}"
+    );
+    assert!(
+        mig_mps
+            .iter()
+            .any(|l| l.contains("16 SMs = 50 % active threads; pod default/mig-mps (uid ")),
+        "{mig_mps:#?}"
+    );
+    assert_ne!(a, m, "one daemon per MPS device:\n{out}");
+    assert!(
+        out.contains(" = mig-mps 2g.20gb at slice 0 (MIG instance shared through MPS)"),
+        "{out}"
+    );
     let hard = block(&out, "mps-hard-limit");
     assert!(
         hard.first()
@@ -293,7 +331,7 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         "{out}"
     );
     assert!(
-        out.contains("released 7 claim(s): unprepared and deleted"),
+        out.contains("released 8 claim(s): unprepared and deleted"),
         "{out}"
     );
     assert!(
@@ -302,7 +340,7 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
     );
     assert!(
         out.contains(&format!(
-            "no MPS daemon left: 1 daemon(s) served claims (pid {a} on gpu-"
+            "no MPS daemon left: 2 daemon(s) served claims (pid {m} on gpu-1-mig-2g20gb-0-mps, pid {a} on gpu-"
         )),
         "{out}"
     );

@@ -348,3 +348,114 @@ fn slices_publish_sharing_devices_as_the_plugin_would() {
     let plain = carve(&["slices", "--gpus", "h100-80gb:1", "-o", "json"]);
     assert!(!plain.stdout.contains("gpu-0-mps") && !plain.stdout.contains("gpu-0-ts"));
 }
+
+/// The error line carve prints (stderr's `carve: ...` line).
+fn error_line(r: &Run) -> &str {
+    r.stderr
+        .lines()
+        .find(|l| l.starts_with("carve: "))
+        .unwrap_or_else(|| panic!("no error line:\n{}", r.stderr))
+}
+
+/// How often `part` occurs in `line`.
+fn times(line: &str, part: &str) -> usize {
+    line.matches(part).count()
+}
+
+#[test]
+fn a_missing_file_is_named_with_the_os_error_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.yaml");
+    let missing = missing.to_str().unwrap();
+    let claim = example("mig-1g");
+    for args in [
+        vec!["explain", missing],
+        vec!["explain", claim.as_str(), "--slices", missing],
+        vec!["defrag", "--state", missing, "--request", claim.as_str()],
+        vec!["advise", "--trace", missing],
+    ] {
+        let r = carve(&args);
+        assert_eq!(r.code, 1, "{args:?}: {}", r.stderr);
+        let line = error_line(&r);
+        assert_eq!(times(line, missing), 1, "{args:?}: {line}");
+        assert_eq!(
+            times(line, "No such file or directory (os error 2)"),
+            1,
+            "{args:?}: {line}"
+        );
+    }
+}
+
+#[test]
+fn an_address_that_cannot_be_bound_is_said_once() {
+    // 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this host.
+    let r = carve(&["apiserver", "--addr", "192.0.2.1:1"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let line = error_line(&r);
+    assert!(
+        line.starts_with("carve: cannot listen on 192.0.2.1:1: "),
+        "{line}"
+    );
+    assert_eq!(times(line, "Cannot assign requested address"), 1, "{line}");
+}
+
+#[test]
+fn a_missing_nvml_library_is_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("libnvidia-ml.so.1");
+    let lib = lib.to_str().unwrap();
+    let r = carve(&["nvml-probe", "--nvml-lib", lib]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let line = error_line(&r);
+    assert!(line.contains("NVML unavailable"), "{line}");
+    assert_eq!(times(line, lib), 1, "{line}");
+}
+
+#[test]
+fn an_unknown_model_or_version_is_named_once() {
+    let r = carve(&["bench", "slices", "--model", "v100", "--iterations", "1"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let line = error_line(&r);
+    assert!(
+        line.starts_with("carve: --model: unknown GPU model"),
+        "{line}"
+    );
+    assert_eq!(times(line, "v100"), 1, "{line}");
+    let r = carve(&["simulate", "--kube-version", "1.20"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let line = error_line(&r);
+    assert!(line.starts_with("carve: --kube-version: "), "{line}");
+    assert_eq!(times(line, "1.20"), 1, "{line}");
+}
+
+#[test]
+fn a_bad_claim_given_to_simulate_is_named_once_with_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let claims = dir.path().join("claims");
+    std::fs::create_dir(&claims).unwrap();
+    let big = write(
+        &claims,
+        "big.yaml",
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: big}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig.gpu.carve.dev\n        count: 99\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(["simulate", "--gpus", "h100:1", "--claims"])
+        .arg(&claims)
+        .env("TMPDIR", dir.path())
+        .output()
+        .unwrap();
+    let r = Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let line = error_line(&r);
+    assert_eq!(
+        line,
+        format!(
+            "carve: {}: claim default/big: spec.devices.requests[0].count: 99 is not between 1 and 32",
+            big.display()
+        )
+    );
+}

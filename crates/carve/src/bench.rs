@@ -38,7 +38,9 @@ pub struct FragBench {
     #[arg(long, default_value = "1..100")]
     node_seeds: String,
     /// Policies to compare (comma-separated): name, first-fit, best-fit,
-    /// random, carve, repack-heuristic.
+    /// random, carve, repack-heuristic, state-aware, state-aware-lag<N>
+    /// (N ≤ 16: the scheduler allocates from the order published N device
+    /// events ago).
     #[arg(long, value_delimiter = ',')]
     policies: Vec<carve_frag::Policy>,
     /// kube-scheduler NodeResourcesFit scoring strategies (comma-separated).

@@ -53,7 +53,7 @@ pub struct PluginArgs {
     /// `--sharing mps` or `mig-mps`).
     #[arg(long)]
     pub mps_control: Option<PathBuf>,
-    /// MPS control protocol: `auto` (v3 where the driver and cgroup v2 allow it,
+    /// MPS control protocol: `auto` (v3 where the control daemon offers it,
     /// else v2), `v2`, or `v3` (refuse to start without it).
     #[arg(long, default_value = "auto", value_enum)]
     pub mps_protocol: MpsProtocolArg,
@@ -63,9 +63,18 @@ pub struct PluginArgs {
     /// a host path mounted at the same path in the plugin container.
     #[arg(long)]
     pub mps_dir: Option<PathBuf>,
-    /// The cgroup v2 mount (MPS v3 binds each share to its pod's cgroup here).
+    /// The cgroup v2 mount, read to report the node's cgroup version and
+    /// `dmem` regions (carve binds no MPS share to a cgroup).
     #[arg(long, default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
+    /// The `/dev/shm` of MPS daemons and their clients: `unit-tmpfs` (a tmpfs
+    /// per shared GPU or MIG instance, the daemon's `/dev/shm` and bound at
+    /// `/dev/shm` in every share's containers, as CUDA MPS clients need;
+    /// needs CAP_SYS_ADMIN), or `none` (daemons keep the plugin's `/dev/shm`
+    /// and containers get none of theirs: real MPS clients cannot reach the
+    /// server then; only for `carve simulate` run without root).
+    #[arg(long, default_value = "unit-tmpfs", value_enum)]
+    pub mps_dev_shm: MpsDevShm,
     /// How often MPS daemons are checked and restarted if they died (seconds).
     #[arg(long, default_value_t = 10)]
     pub mps_supervise_seconds: u64,
@@ -133,8 +142,17 @@ pub enum MpsProtocolArg {
     Auto,
     /// Legacy v2 (per-daemon defaults, client variables).
     V2,
-    /// v3 (namespaces bound to pod cgroups); an error where unsupported.
+    /// v3 (a namespace with its own limits per share); an error where unsupported.
     V3,
+}
+
+/// `--mps-dev-shm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MpsDevShm {
+    /// A tmpfs per shared unit, shared by its daemon and its shares' containers.
+    UnitTmpfs,
+    /// No `/dev/shm` of MPS's own (unprivileged simulation only).
+    None,
 }
 
 /// Detect MPS support when `--sharing` asks for MPS devices.
@@ -162,8 +180,16 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
     }
     config.cgroup_root.clone_from(&args.cgroup_root);
     // Daemons start through this binary, on their unit's tmpfs as /dev/shm.
-    config.shm_launcher =
-        Some(std::env::current_exe().context("locating the carve binary (the MPS launcher)")?);
+    match args.mps_dev_shm {
+        MpsDevShm::UnitTmpfs => {
+            config.shm_launcher = Some(
+                std::env::current_exe().context("locating the carve binary (the MPS launcher)")?,
+            );
+        }
+        MpsDevShm::None => tracing::warn!(
+            "--mps-dev-shm none: MPS daemons keep the plugin's /dev/shm and share containers get none of theirs; real CUDA MPS clients cannot reach the server so (only for unprivileged simulation)"
+        ),
+    }
     config.protocol = match args.mps_protocol {
         MpsProtocolArg::Auto => carve_mps::ProtocolChoice::Auto,
         MpsProtocolArg::V2 => carve_mps::ProtocolChoice::V2,

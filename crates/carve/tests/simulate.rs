@@ -980,3 +980,52 @@ fn examples_that_do_not_fit_the_users_node_fail_the_run_with_their_reason() {
     assert!(!tail.contains("mps-hard-limit"), "{tail}");
     assert!(out.contains("no GPU instance left"), "{out}");
 }
+
+/// Without root, the MPS examples still run: the plugin cannot mount a
+/// unit's `/dev/shm` tmpfs (CAP_SYS_ADMIN), so simulate starts it with
+/// `--mps-dev-shm none`, and the plugin's warning that real MPS clients
+/// would not reach the server so is shown. Run as uid 65534 through
+/// util-linux `setpriv` (skipped where the test itself is not root).
+#[test]
+fn simulate_without_root_runs_mps_without_the_units_tmpfs_and_says_so() {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .map(|u| u.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false);
+    if !root || Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and setpriv to run simulate as another user");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let o = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(env!("CARGO_BIN_EXE_carve"))
+        .arg("simulate")
+        .env("TMPDIR", tmp.path())
+        .env_remove("CARVE_NVML_SIM_CONFIG")
+        .env_remove("CARVE_NVML_SIM_FAULTS")
+        .output()
+        .expect("running setpriv");
+    let (out, err) = text(&o);
+    assert!(
+        o.status.success(),
+        "exit {}\nstdout:\n{out}\nstderr:\n{err}",
+        o.status
+    );
+    assert!(
+        out.contains("--mps-dev-shm none") && out.contains("real CUDA MPS clients cannot reach"),
+        "the warning is shown: {out}"
+    );
+    for name in ["mps-share", "mig-mps"] {
+        let b = block(&out, name).join("\n");
+        assert!(!b.is_empty() && !b.contains("FAILED"), "{name}: {b}\n{out}");
+    }
+    assert!(out.contains("no MPS daemon left"), "{out}");
+    assert_nothing_left(tmp.path());
+}

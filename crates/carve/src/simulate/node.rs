@@ -198,6 +198,12 @@ impl Node {
             arg("--mps-control", self.fake_mps.as_os_str());
             arg("--mps-protocol", args.mps_protocol.flag().as_ref());
             arg("--cgroup-root", self.cgroup_root.as_os_str());
+            // A unit's /dev/shm tmpfs needs CAP_SYS_ADMIN; without root the
+            // daemons keep the plugin's /dev/shm (the plugin warns, and the
+            // warning is shown).
+            if !nix::unistd::geteuid().is_root() {
+                arg("--mps-dev-shm", "none".as_ref());
+            }
         }
         let mut out: Vec<std::ffi::OsString> = vec!["kubelet-plugin".into()];
         out.extend(v);

@@ -76,6 +76,9 @@ pub enum PluginError {
         #[source]
         source: Box<crate::driver::ClaimError>,
     },
+    /// The kubelet-plugin kit (sockets, gRPC servers) failed.
+    #[error(transparent)]
+    Kit(Box<dra_kubeletplugin::Error>),
     /// A blocking task panicked or was cancelled.
     #[error("blocking task {what}: {reason}")]
     Task {
@@ -98,6 +101,7 @@ impl From<PluginError> for tonic::Status {
             | PluginError::Checkpoint(_)
             | PluginError::Cdi(_)
             | PluginError::Serve { .. }
+            | PluginError::Kit(_)
             | PluginError::Task { .. } => Self::internal(msg),
         }
     }

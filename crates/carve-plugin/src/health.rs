@@ -4,7 +4,8 @@
 //! [`carve_model::health::HealthState`], and publishes a [`HealthSnapshot`] on
 //! every change; [`apply_taints`] puts a snapshot's taints on built
 //! ResourceSlices. The `v1alpha1.DRAResourceHealth` stream on `dra.sock` is
-//! served from a [`HealthHandle`] by [`serve_with`].
+//! served from a [`HealthHandle`] by [`serve_with`], through the
+//! [`dra_kubeletplugin`] kit's health service.
 //!
 //! Not here: classifying events (`carve_model::health`), publishing slices
 //! (the caller republishes after [`apply_taints`]).

@@ -10,15 +10,19 @@
 //! reloads the checkpoint first (parsing it only when another process wrote
 //! it), so the pods share one state.
 //!
-//! It is not the ResourceSlice publisher (`carve-kube`), not an NVML binding
-//! (`carve-nvml`), and does not serve the DRA health service or MPS devices
-//! (those device names are rejected per claim). Time-slice devices
+//! The sockets, registration and gRPC services are the
+//! [`dra_kubeletplugin`] kit's; carve's [`Driver`] is served through it
+//! (`kit.rs`), with the GPU health stream from a [`health::HealthMonitor`]
+//! when one is attached ([`health::serve_with`]).
+//!
+//! It is not the ResourceSlice publisher (`carve-kube`) and not an NVML
+//! binding (`carve-nvml`). MPS devices are rejected per claim unless MPS is
+//! enabled on the node ([`PluginConfig::mps`]). Time-slice devices
 //! (`gpu-<i>-ts`) are handed out as the whole GPU to every sharing claim,
 //! under the driver's default time-slicing scheduler: NVML offers no
 //! bare-metal time-slice policy carve could set.
 
 mod api;
-mod authority;
 mod cdi;
 mod checkpoint;
 mod claim;
@@ -30,6 +34,7 @@ mod fsutil;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod health;
+mod kit;
 mod metrics;
 mod mps;
 mod server;

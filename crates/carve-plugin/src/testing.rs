@@ -4,10 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use carve_proto::{dra_v1, dra_v1beta1, registration as reg};
-use hyper_util::rt::TokioIo;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
-use crate::authority::ClientConn;
 use crate::claim::ClaimRef;
 
 /// A fake-kubelet failure.
@@ -35,77 +33,39 @@ pub enum FakeKubeletError {
     Rejected(String),
 }
 
-/// The `:authority` grpc-go sends for a target that is a bare socket path, as
-/// the kubelet's plugin watcher dials `<name>-reg.sock`: the path
-/// percent-encoded by grpc-go's `encodeAuthority` (`clientconn.go`: RFC 3986
-/// §3.2 unreserved characters, sub-delims and `:[]@` kept, every other byte
-/// `%XX`), e.g. `%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2Fgpu.carve.dev-reg.sock`.
-/// See `../shared/reference/node-contracts.md` §1.
-#[must_use]
-pub fn grpc_go_authority(path: &Path) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    path.as_os_str()
-        .as_bytes()
-        .iter()
-        .map(|&b| {
-            if b.is_ascii_alphanumeric() || b"-_.~!$&'()*+,;=:[]@".contains(&b) {
-                char::from(b).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
+pub use dra_kubeletplugin::testing::grpc_go_authority;
 
-trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
-impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}
-
-async fn connect(path: &Path, authority: Option<String>) -> Result<Channel, FakeKubeletError> {
-    let p = path.to_path_buf();
-    // grpc-go's `unix:` targets send `localhost`; tonic sends the origin's.
-    Endpoint::try_from("http://localhost")
-        .map_err(|source| FakeKubeletError::Connect {
-            path: p.clone(),
-            source,
-        })?
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let p = p.clone();
-            let authority = authority.clone();
-            async move {
-                let s = tokio::net::UnixStream::connect(p).await?;
-                let io: Box<dyn Io> = match authority {
-                    Some(a) => Box::new(ClientConn::new(s, &a)),
-                    None => Box::new(s),
-                };
-                Ok::<_, std::io::Error>(TokioIo::new(io))
-            }
-        }))
-        .await
-        .map_err(|source| FakeKubeletError::Connect {
-            path: path.to_path_buf(),
-            source,
-        })
+fn connect_error(e: dra_kubeletplugin::testing::ConnectError) -> FakeKubeletError {
+    FakeKubeletError::Connect {
+        path: e.path,
+        source: e.source,
+    }
 }
 
 /// Connect a tonic channel to a Unix socket as the kubelet dials `dra.sock`
-/// (`unix:<path>`, so `:authority` is `localhost`).
+/// (`unix:<path>`, so `:authority` is `localhost`): the kit's
+/// [`dra_kubeletplugin::testing::uds_channel`].
 ///
 /// # Errors
 /// The socket does not accept connections.
 pub async fn uds_channel(path: &Path) -> Result<Channel, FakeKubeletError> {
-    connect(path, None).await
+    dra_kubeletplugin::testing::uds_channel(path)
+        .await
+        .map_err(connect_error)
 }
 
 /// Connect a tonic channel to a registration socket as the kubelet's plugin
 /// watcher dials it: every request carries [`grpc_go_authority`] of the path
-/// as `:authority` (written into the HTTP/2 HEADERS by [`ClientConn`], since
-/// tonic only sends authorities that `http::Uri` parses). A server that h2
+/// as `:authority` (the kit's
+/// [`dra_kubeletplugin::testing::registration_channel`]). A server that h2
 /// alone serves rejects these requests, as it rejects the kubelet's.
 ///
 /// # Errors
 /// The socket does not accept connections.
 pub async fn registration_channel(path: &Path) -> Result<Channel, FakeKubeletError> {
-    connect(path, Some(grpc_go_authority(path))).await
+    dra_kubeletplugin::testing::registration_channel(path)
+        .await
+        .map_err(connect_error)
 }
 
 /// How long [`FakeKubelet::register`] keeps re-dialing a registration socket

@@ -1,14 +1,17 @@
 //! The plugin's sockets dialed exactly as the kubelet dials them, by a real
-//! gRPC client: Python `grpcio` (gRPC C-core), via `kubelet_dial.py`.
+//! gRPC client: Python `grpcio` (gRPC C-core), through the kit's
+//! `dra_kubeletplugin::testing::grpcio_calls`.
 //!
 //! The kubelet's plugin watcher dials `<name>-reg.sock` with grpc-go and the
 //! bare socket path, so the HTTP/2 `:authority` is the path percent-encoded
 //! (older grpc-go: the raw path); `dra.sock` is dialed as `unix:<path>`, which
 //! sends `localhost` (`../shared/reference/node-contracts.md` §1). A plain
 //! tonic server resets the first two (`RST_STREAM PROTOCOL_ERROR`, h2's
-//! authority check); the control tests below show that this client really sends
-//! them, so the plugin's tests cannot pass by a client that sends something
-//! easier.
+//! authority check); the kit's control test
+//! (`dra-kubeletplugin/tests/kubelet.rs`,
+//! `a_plain_tonic_server_rejects_the_kubelets_registration_dial`) shows that
+//! this client really sends them, so the plugin's tests cannot pass by a
+//! client that sends something easier.
 //!
 //! The requests are serialized here by prost from carve-proto's types and sent
 //! as raw bytes through grpcio's generic unary calls.
@@ -19,116 +22,36 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 
 use carve_apiserver::ApiServer;
-use carve_plugin::testing::{FakeKubelet, grpc_go_authority};
+use carve_plugin::testing::FakeKubelet;
 use carve_plugin::{Driver, Serving, serve};
 use carve_proto::{dra_v1, registration as reg};
 use common::*;
+use dra_kubeletplugin::testing::{
+    GrpcioReply, grpcio_calls, have_grpcio, kubelet_registration_authorities as kubelet_authorities,
+};
 use nvidia_ml_sim::GpuEntry;
 use prost::Message;
-use tokio::io::AsyncWriteExt;
 
 const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
 const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
 const PREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources";
 const UNPREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources";
 
-/// Whether `python3 -c 'import grpc'` works; panics under `CI=true` if not.
-fn have_grpcio() -> bool {
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import grpc"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI=true but python3 cannot import grpc: `.ci/run` must `pip install grpcio`"
-        );
-        eprintln!("SKIP: python3 with grpcio not found (pip install grpcio)");
-    }
-    ok
-}
-
-fn helper() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kubelet_dial.py")
-}
-
-/// The two `:authority` values grpc-go sends when dialed with a bare path:
-/// percent-encoded (current grpc-go) and raw (older grpc-go).
-fn kubelet_authorities(socket: &Path) -> [String; 2] {
-    [
-        grpc_go_authority(socket),
-        socket.to_str().unwrap().to_string(),
-    ]
-}
-
-#[derive(Debug, PartialEq)]
-enum Reply {
-    Ok(Vec<u8>),
-    Failed { code: String, details: String },
-}
-
-impl Reply {
-    fn decode<M: Message + Default>(&self, what: &str) -> M {
-        match self {
-            Reply::Ok(b) => M::decode(b.as_slice()).unwrap(),
-            Reply::Failed { code, details } => panic!("{what}: {code}: {details}"),
-        }
+/// A call's reply decoded, or the test fails naming `what`.
+fn decode<M: Message + Default>(r: &GrpcioReply, what: &str) -> M {
+    match r {
+        GrpcioReply::Ok(b) => M::decode(b.as_slice()).unwrap(),
+        GrpcioReply::Failed { code, details } => panic!("{what}: {code}: {details}"),
     }
 }
 
 /// Dial `socket` once with `authority` as `:authority` and make `calls`
 /// (method, request) in order on that one connection.
-async fn grpcio(socket: &Path, authority: &str, calls: &[(&str, Vec<u8>)]) -> Vec<Reply> {
-    let job = serde_json::json!({
-        "socket": socket,
-        "authority": authority,
-        "calls": calls.iter().map(|(m, r)| serde_json::json!({
-            "method": m,
-            "request": r.iter().map(|b| format!("{b:02x}")).collect::<String>(),
-            // The kubelet's GetInfo timeout is 1 s; a loaded CI machine gets more.
-            "timeout": 20,
-        })).collect::<Vec<_>>(),
-    });
-    let mut child = tokio::process::Command::new("python3")
-        .arg(helper())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run python3");
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(job.to_string().as_bytes()).await.unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
-    assert!(
-        out.status.success(),
-        "kubelet_dial.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    v.into_iter()
-        .map(|r| match r.get("ok") {
-            Some(h) => {
-                let h = h.as_str().unwrap();
-                Reply::Ok(
-                    (0..h.len())
-                        .step_by(2)
-                        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
-                        .collect(),
-                )
-            }
-            None => Reply::Failed {
-                code: r["code"].as_str().unwrap().into(),
-                details: r["details"].as_str().unwrap().into(),
-            },
-        })
-        .collect()
+async fn grpcio(socket: &Path, authority: &str, calls: &[(&str, Vec<u8>)]) -> Vec<GrpcioReply> {
+    grpcio_calls(socket, authority, calls).await.unwrap()
 }
 
 struct Plugin {
@@ -200,7 +123,7 @@ async fn registration_answers_the_kubelets_dial_with_encoded_and_raw_path_author
             ],
         )
         .await;
-        let info: reg::PluginInfo = r[0].decode(&format!("GetInfo as {authority}"));
+        let info: reg::PluginInfo = decode(&r[0], &format!("GetInfo as {authority}"));
         assert_eq!(info.r#type, "DRAPlugin");
         assert_eq!(info.name, "gpu.carve.dev");
         // The endpoint the kubelet dials on the host: the DRA socket's path.
@@ -210,7 +133,7 @@ async fn registration_answers_the_kubelets_dial_with_encoded_and_raw_path_author
             info.supported_versions,
             ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
         );
-        let _: reg::RegistrationStatusResponse = r[1].decode("NotifyRegistrationStatus(false)");
+        let _: reg::RegistrationStatusResponse = decode(&r[1], "NotifyRegistrationStatus(false)");
         assert_eq!(
             status.wait().await,
             Err("versions not supported".to_string())
@@ -221,7 +144,7 @@ async fn registration_answers_the_kubelets_dial_with_encoded_and_raw_path_author
             &[(NOTIFY, notify(true, ""))],
         )
         .await;
-        let _: reg::RegistrationStatusResponse = r[0].decode("NotifyRegistrationStatus(true)");
+        let _: reg::RegistrationStatusResponse = decode(&r[0], "NotifyRegistrationStatus(true)");
         assert_eq!(p.serving().registration().status(), Some(Ok(())));
     }
     p.stop().await;
@@ -269,13 +192,13 @@ async fn dra_socket_prepares_and_unprepares_for_the_kubelets_dial() {
         )
         .await;
         let prep: dra_v1::NodePrepareResourcesResponse =
-            r[0].decode(&format!("prepare as {authority}"));
+            decode(&r[0], &format!("prepare as {authority}"));
         let cr = &prep.claims[&uid];
         assert_eq!(cr.error, "", "prepare as {authority}");
         assert_eq!(cr.devices.len(), 1);
         assert_eq!(cr.devices[0].device_name, "gpu-0-mig-1g10gb-2");
         let un: dra_v1::NodeUnprepareResourcesResponse =
-            r[1].decode(&format!("unprepare as {authority}"));
+            decode(&r[1], &format!("unprepare as {authority}"));
         assert_eq!(un.claims[&uid].error, "", "unprepare as {authority}");
     }
     p.stop().await;
@@ -323,33 +246,6 @@ async fn plain_tonic_registration(dir: &Path) -> (PathBuf, tokio::sync::oneshot:
     (path, tx)
 }
 
-/// Control: the client above really sends what h2 rejects. A plain tonic
-/// server resets GetInfo for both kubelet authorities and answers `localhost`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plain_tonic_server_rejects_the_kubelets_registration_dial() {
-    if !have_grpcio() {
-        return;
-    }
-    let dir = tempfile::Builder::new()
-        .prefix("kd")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let (sock, _stop) = plain_tonic_registration(dir.path()).await;
-    for authority in kubelet_authorities(&sock) {
-        let r = grpcio(&sock, &authority, &[(GET_INFO, vec![])]).await;
-        match &r[0] {
-            Reply::Failed { code, details } => {
-                assert_eq!(code, "INTERNAL", "{authority}: {details}");
-                assert!(details.contains("RST_STREAM"), "{authority}: {details}");
-            }
-            Reply::Ok(_) => panic!("plain tonic accepted :authority {authority}"),
-        }
-    }
-    let r = grpcio(&sock, "localhost", &[(GET_INFO, vec![])]).await;
-    let info: reg::PluginInfo = r[0].decode("GetInfo as localhost");
-    assert_eq!(info.name, "gpu.carve.dev");
-}
-
 /// The fake kubelet that the e2e suites use dials as the kubelet does: a
 /// plain tonic server rejects it as it rejects the kubelet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -384,15 +280,4 @@ async fn the_fake_kubelet_registers_with_the_plugin() {
     let r = k.unprepare(std::slice::from_ref(&c)).await.unwrap();
     assert_eq!(r.claims["u"].error, "");
     p.stop().await;
-}
-
-#[test]
-fn the_registration_authority_is_the_path_as_grpc_go_encodes_it() {
-    // node-contracts.md §1, as grpc-go sends it.
-    assert_eq!(
-        grpc_go_authority(Path::new(
-            "/var/lib/kubelet/plugins_registry/gpu.carve.dev-reg.sock"
-        )),
-        "%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2Fgpu.carve.dev-reg.sock"
-    );
 }

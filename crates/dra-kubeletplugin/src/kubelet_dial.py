@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Dial a Unix socket as the kubelet does, with the real gRPC C-core client
-(Python grpcio), and make unary calls with bytes the Rust test serialized.
+(Python grpcio), and make unary calls with bytes the Rust caller serialized
+(`dra_kubeletplugin::testing::grpcio_calls` runs it with `python3 -c`).
 
 The kubelet's plugin watcher dials `<name>-reg.sock` with grpc-go, passing
 the bare socket path as target and no WithAuthority, so grpc-go sends the
 path percent-encoded as HTTP/2 `:authority` (older grpc-go: the raw path);
 the DRA socket is dialed as `unix:<path>`, which sends `localhost`
-(../shared/reference/node-contracts.md section 1). grpcio reproduces each
+(carve: shared/reference/node-contracts.md section 1). grpcio reproduces each
 with `grpc.default_authority`.
 
 stdin: JSON {"socket": PATH, "authority": STR, "calls": [{"method":

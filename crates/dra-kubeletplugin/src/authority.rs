@@ -11,7 +11,7 @@
 //! h2 0.4.20, hyper 1.12 and tonic 0.14.9 (the versions in `Cargo.lock`) have
 //! no setting that relaxes the check.
 //!
-//! So the plugin serves each Unix connection through [`ServerConn`], which
+//! So the kit serves each Unix connection through [`ServerConn`], which
 //! sits between the socket and tonic and rewrites the HEADERS of the client's
 //! requests: an `:authority` that h2 would reject (exactly: that
 //! `http::uri::Authority` does not parse, h2's own check) becomes `localhost`,
@@ -55,7 +55,7 @@ const MAX_FRAME_OUT: usize = 16_384;
 /// is 16 KiB of decoded headers by default; the kubelet's are far smaller).
 pub const MAX_HEADER_BLOCK: usize = 1 << 20;
 /// The HPACK dynamic table size h2 advertises (the protocol default, which
-/// h2 keeps unless configured otherwise; carve does not configure it).
+/// h2 keeps unless configured otherwise; the kit does not configure it).
 const HPACK_TABLE_SIZE: usize = 4096;
 
 /// The `:authority` that replaces one h2 would reject.

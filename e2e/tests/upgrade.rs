@@ -200,12 +200,19 @@ async fn an_upgrade_from_1_34_to_1_35_republishes_the_pool_and_keeps_the_claim()
         .map(|v| serde_json::from_value(v).unwrap())
         .collect();
     assert!(!is_134_layout(&all), "1.34-layout slices left");
-    // Within one resync: the first writes after the switch follow the first
-    // `/version` read that saw 1.35, with no other resync in between.
+    // Within one resync: the first slice writes after the switch follow the
+    // first `/version` read that saw 1.35, with no other resync in between.
+    // (Only ResourceSlice writes count: the claim's status write is sent in
+    // the background after prepare answered, and may land after the reset.)
     let reqs = api.request_log();
     let first_write = reqs
         .iter()
-        .position(|q| q.verb != "get" && q.verb != "list" && q.verb != "watch")
+        .position(|q| {
+            q.path.contains("/resourceslices")
+                && q.verb != "get"
+                && q.verb != "list"
+                && q.verb != "watch"
+        })
         .expect("the republish wrote");
     let version_reads = reqs[..first_write]
         .iter()

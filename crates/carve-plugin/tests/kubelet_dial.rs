@@ -21,7 +21,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use carve_apiserver::ApiServer;
@@ -30,7 +30,8 @@ use carve_plugin::{Driver, Serving, serve};
 use carve_proto::{dra_v1, registration as reg};
 use common::*;
 use dra_kubeletplugin::testing::{
-    GrpcioReply, grpcio_calls, have_grpcio, kubelet_registration_authorities as kubelet_authorities,
+    GrpcioReply, grpcio_calls, have_grpcio,
+    kubelet_registration_authorities as kubelet_authorities, plain_tonic_registration,
 };
 use nvidia_ml_sim::GpuEntry;
 use prost::Message;
@@ -202,48 +203,6 @@ async fn dra_socket_prepares_and_unprepares_for_the_kubelets_dial() {
         assert_eq!(un.claims[&uid].error, "", "unprepare as {authority}");
     }
     p.stop().await;
-}
-
-/// A plain tonic server on a Unix socket: carve's registration service as it
-/// was served before the authority fix.
-async fn plain_tonic_registration(dir: &Path) -> (PathBuf, tokio::sync::oneshot::Sender<()>) {
-    use reg::registration_server::{Registration, RegistrationServer};
-    #[derive(Debug)]
-    struct Svc;
-    #[tonic::async_trait]
-    impl Registration for Svc {
-        async fn get_info(
-            &self,
-            _: tonic::Request<reg::InfoRequest>,
-        ) -> Result<tonic::Response<reg::PluginInfo>, tonic::Status> {
-            Ok(tonic::Response::new(reg::PluginInfo {
-                r#type: "DRAPlugin".into(),
-                name: "gpu.carve.dev".into(),
-                endpoint: "/nonexistent/dra.sock".into(),
-                supported_versions: vec!["v1.DRAPlugin".into()],
-            }))
-        }
-        async fn notify_registration_status(
-            &self,
-            _: tonic::Request<reg::RegistrationStatus>,
-        ) -> Result<tonic::Response<reg::RegistrationStatusResponse>, tonic::Status> {
-            Ok(tonic::Response::new(reg::RegistrationStatusResponse {}))
-        }
-    }
-    let path = dir.join("plain-reg.sock");
-    let l = tokio::net::UnixListener::bind(&path).unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(Svc))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(l),
-                async move {
-                    let _ = rx.await;
-                },
-            ),
-    );
-    (path, tx)
 }
 
 /// The fake kubelet that the e2e suites use dials as the kubelet does: a

@@ -246,3 +246,52 @@ pub async fn grpcio_calls(
         })
         .collect()
 }
+
+/// A plain tonic server on a Unix socket (`<dir>/plain-reg.sock`) serving a
+/// registration service without the kit's `:authority` adapter: the control
+/// that shows a client really sends what h2 rejects (a plain tonic server
+/// resets the kubelet's registration dial). Dropping or sending on the
+/// returned sender stops it.
+///
+/// # Panics
+/// The socket cannot be bound.
+pub async fn plain_tonic_registration(dir: &Path) -> (PathBuf, tokio::sync::oneshot::Sender<()>) {
+    use carve_proto::registration as reg;
+    use reg::registration_server::{Registration, RegistrationServer};
+    #[derive(Debug)]
+    struct Svc;
+    #[tonic::async_trait]
+    impl Registration for Svc {
+        async fn get_info(
+            &self,
+            _: tonic::Request<reg::InfoRequest>,
+        ) -> Result<tonic::Response<reg::PluginInfo>, tonic::Status> {
+            Ok(tonic::Response::new(reg::PluginInfo {
+                r#type: "DRAPlugin".into(),
+                name: "gpu.carve.dev".into(),
+                endpoint: "/nonexistent/dra.sock".into(),
+                supported_versions: vec!["v1.DRAPlugin".into()],
+            }))
+        }
+        async fn notify_registration_status(
+            &self,
+            _: tonic::Request<reg::RegistrationStatus>,
+        ) -> Result<tonic::Response<reg::RegistrationStatusResponse>, tonic::Status> {
+            Ok(tonic::Response::new(reg::RegistrationStatusResponse {}))
+        }
+    }
+    let path = dir.join("plain-reg.sock");
+    let l = tokio::net::UnixListener::bind(&path).unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(Svc))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(l),
+                async move {
+                    let _ = rx.await;
+                },
+            ),
+    );
+    (path, tx)
+}

@@ -5,15 +5,15 @@
 //! v1beta1 on `dra.sock`, and the health stream.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use carve_proto::{dra_v1, dra_v1beta1, health_v1alpha1 as hv, registration as reg};
 use dra_kubeletplugin::testing::{
-    GrpcioReply, grpcio_calls, have_grpcio, kubelet_registration_authorities, registration_channel,
-    uds_channel,
+    GrpcioReply, grpcio_calls, have_grpcio, kubelet_registration_authorities,
+    plain_tonic_registration, registration_channel, uds_channel,
 };
 use dra_kubeletplugin::{
     Claim, Device, DeviceHealth, DraDriver, HealthStatus, HealthWatch, NotReady, PluginOptions,
@@ -382,48 +382,6 @@ async fn grpcio_dials_registration_and_dra_sockets_with_every_kubelet_authority(
         assert_eq!(un.claims[&uid].error, "", "unprepare as {authority}");
     }
     p.stop().await;
-}
-
-/// A plain tonic server on a Unix socket: a registration service as served
-/// without the kit's `:authority` adapter.
-async fn plain_tonic_registration(dir: &Path) -> (PathBuf, tokio::sync::oneshot::Sender<()>) {
-    use reg::registration_server::{Registration, RegistrationServer};
-    #[derive(Debug)]
-    struct Svc;
-    #[tonic::async_trait]
-    impl Registration for Svc {
-        async fn get_info(
-            &self,
-            _: tonic::Request<reg::InfoRequest>,
-        ) -> Result<tonic::Response<reg::PluginInfo>, tonic::Status> {
-            Ok(tonic::Response::new(reg::PluginInfo {
-                r#type: "DRAPlugin".into(),
-                name: "gpu.carve.dev".into(),
-                endpoint: "/nonexistent/dra.sock".into(),
-                supported_versions: vec!["v1.DRAPlugin".into()],
-            }))
-        }
-        async fn notify_registration_status(
-            &self,
-            _: tonic::Request<reg::RegistrationStatus>,
-        ) -> Result<tonic::Response<reg::RegistrationStatusResponse>, tonic::Status> {
-            Ok(tonic::Response::new(reg::RegistrationStatusResponse {}))
-        }
-    }
-    let path = dir.join("plain-reg.sock");
-    let l = tokio::net::UnixListener::bind(&path).unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(Svc))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(l),
-                async move {
-                    let _ = rx.await;
-                },
-            ),
-    );
-    (path, tx)
 }
 
 /// Control: the grpcio client really sends what h2 rejects. A plain tonic

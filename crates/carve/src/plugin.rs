@@ -531,19 +531,11 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
             let _ = stop.changed().await;
         })
         .await?;
-        let registration = serving.registration();
-        let dra = serving.paths.dra.clone();
+        // Ready: registered with the kubelet and the DRA socket answers (the kit's check).
+        let readiness = serving.readiness();
         let ready = carve_metrics::ReadyCheck::new(move || {
-            let registration = registration.clone();
-            let dra = dra.clone();
-            async move {
-                match registration.status() {
-                    None => return Err("not registered with the kubelet yet".to_string()),
-                    Some(Err(e)) => return Err(format!("the kubelet rejected the registration: {e}")),
-                    Some(Ok(())) => {}
-                }
-                tokio::net::UnixStream::connect(&dra).await.map(|_| ()).map_err(|e| format!("DRA socket {}: {e}", dra.display()))
-            }
+            let readiness = readiness.clone();
+            async move { readiness.check().await.map_err(|e| e.to_string()) }
         });
         let mut stop = stop_rx.clone();
         let metrics_server = carve_metrics::bind(args.metrics_addr, metrics, ready, async move {

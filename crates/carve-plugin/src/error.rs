@@ -21,14 +21,6 @@ pub enum PluginError {
         #[source]
         source: std::io::Error,
     },
-    /// A socket path does not fit `sockaddr_un` even after hashing.
-    #[error("socket path {path} is {len} bytes, longer than the 107 AF_UNIX allows")]
-    SocketPathTooLong {
-        /// The path.
-        path: PathBuf,
-        /// Its length.
-        len: usize,
-    },
     /// The GPU inventory could not be read at start.
     #[error("GPU inventory: {op}: {source}")]
     Backend {
@@ -53,15 +45,6 @@ pub enum PluginError {
     /// A CDI spec could not be written or removed.
     #[error(transparent)]
     Cdi(#[from] CdiError),
-    /// The gRPC server failed.
-    #[error("gRPC server on {socket}: {source}")]
-    Serve {
-        /// The socket.
-        socket: PathBuf,
-        /// The error.
-        #[source]
-        source: tonic::transport::Error,
-    },
     /// Recovery could not destroy an orphaned instance.
     #[error("recovery: orphan sweep: {source}")]
     Sweep {
@@ -97,10 +80,8 @@ impl From<PluginError> for tonic::Status {
             PluginError::Io { .. }
             | PluginError::Sweep { .. }
             | PluginError::MpsRecovery { .. }
-            | PluginError::SocketPathTooLong { .. }
             | PluginError::Checkpoint(_)
             | PluginError::Cdi(_)
-            | PluginError::Serve { .. }
             | PluginError::Kit(_)
             | PluginError::Task { .. } => Self::internal(msg),
         }

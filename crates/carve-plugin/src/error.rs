@@ -30,14 +30,15 @@ pub enum PluginError {
         #[source]
         source: carve_gpu::BackendError,
     },
-    /// The API server failed during recovery.
+    /// The API server failed, or did not answer within
+    /// [`crate::PluginConfig::api_timeout`], during recovery.
     #[error("API server: {what}: {source}")]
     Kube {
         /// What was being done.
         what: String,
         /// The error.
         #[source]
-        source: Box<kube::Error>,
+        source: Box<crate::api::ApiFailure>,
     },
     /// The checkpoint could not be written.
     #[error(transparent)]

@@ -117,3 +117,48 @@ async fn an_unusable_checkpoint_of_the_current_boot_is_rebuilt() {
     assert!(report.swept.is_empty(), "{report:?}");
     assert_eq!(marker(&node), "boot-1\n");
 }
+
+/// An API server that never answers the rebuild's claim list: recovery fails
+/// within the API timeout with an error naming the list, and destroys
+/// nothing; the unusable checkpoint stays where the next start finds it, so
+/// once the server answers the claim is adopted, its instance intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_whose_api_server_hangs_fails_in_time_and_loses_nothing() {
+    let (node, api) = torn_checkpoint().await;
+    let mut config = node.config.clone();
+    config.api_timeout = std::time::Duration::from_millis(300);
+    api.inject(carve_apiserver::Fault::DelayNext {
+        count: 1000,
+        delay: std::time::Duration::from_secs(3600),
+        writes_only: false,
+        resource: None,
+    });
+    let driver = Driver::new(config.clone(), node.backend(), api.client())
+        .await
+        .unwrap();
+    let e = tokio::time::timeout(std::time::Duration::from_secs(20), driver.recover())
+        .await
+        .expect("recovery waited past its API timeout")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("API server: list ResourceClaims: no answer within 300ms"),
+        "{e}"
+    );
+    assert_eq!(node.instances().len(), 1, "the claim's instance was kept");
+    assert!(
+        node.config.checkpoint_path.exists(),
+        "the unusable checkpoint stays for the next start"
+    );
+    drop(driver);
+
+    api.clear_faults();
+    let driver = Driver::new(config, node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = driver.recover().await.unwrap();
+    assert!(report.moved_aside.is_some(), "{report:?}");
+    assert_eq!(report.adopted, ["u-a"], "{report:?}");
+    assert!(report.swept.is_empty(), "{report:?}");
+    assert_eq!(node.instances().len(), 1);
+}

@@ -175,28 +175,40 @@ impl Driver {
             Ok(None) => return Ok((fresh(), false)),
             Err(e) => e,
         };
-        let aside = move_aside(path).map_err(|source| PluginError::Io {
-            what: "moving corrupt checkpoint aside",
-            path: path.clone(),
-            source,
-        })?;
-        report.moved_aside = Some(aside.clone());
         let rebuild = match checkpoint::read_boot_marker(path) {
             // Recovery ran in an earlier boot, so the file was last
             // written then: a write that was not fsynced, torn by the
             // power loss, and one that recorded nothing a reboot
             // does not undo (`checkpoint` module docs).
             Some(old) if old != self.boot_id => {
+                let aside = self.move_checkpoint_aside(report)?;
                 tracing::warn!(error = %e, aside = %aside.display(), old = %old, new = %self.boot_id, "unusable checkpoint from another boot moved aside and discarded");
                 report.discarded_other_boot = true;
                 false
             }
+            // Moved aside only once the rebuild has read the API server
+            // ([`Self::keep_completed`]): a recovery that fails before (the
+            // API server down or hung) leaves the file where the next start
+            // finds it and rebuilds again, instead of finding no checkpoint
+            // and sweeping the running claims' instances as orphans.
             _ => {
-                tracing::error!(error = %e, aside = %aside.display(), "unusable checkpoint moved aside; rebuilding from NVML and the API server");
+                tracing::error!(error = %e, "unusable checkpoint; rebuilding from NVML and the API server");
                 true
             }
         };
         Ok((fresh(), rebuild))
+    }
+
+    /// Move the unusable checkpoint aside (kept for inspection).
+    fn move_checkpoint_aside(&self, report: &mut RecoveryReport) -> Result<PathBuf, PluginError> {
+        let path = &self.config.checkpoint_path;
+        let aside = move_aside(path).map_err(|source| PluginError::Io {
+            what: "moving corrupt checkpoint aside",
+            path: path.clone(),
+            source,
+        })?;
+        report.moved_aside = Some(aside.clone());
+        Ok(aside)
     }
 
     /// NVML truth: the instances of every MIG-capable GPU.
@@ -252,7 +264,10 @@ impl Driver {
             kept.insert(uid, rec);
         }
         if rebuild {
-            for rec in self.adopt_from_api(live).await? {
+            let adopted = self.adopt_from_api(live).await?;
+            let aside = self.move_checkpoint_aside(report)?;
+            tracing::warn!(aside = %aside.display(), adopted = adopted.len(), "unusable checkpoint moved aside; claims rebuilt from NVML and the API server");
+            for rec in adopted {
                 report.adopted.push(rec.uid.clone());
                 kept.insert(rec.uid.clone(), rec);
             }
@@ -443,8 +458,8 @@ impl Driver {
     /// devices all match live instances become completed claims again.
     async fn adopt_from_api(&self, live: &Live) -> Result<Vec<ClaimRecord>, PluginError> {
         let api: Api<ReadClaim> = Api::all(self.client.clone());
-        let list = api
-            .list(&ListParams::default())
+        let lp = ListParams::default();
+        let list = crate::api::bounded(&self.api_calls, self.config.api_timeout, api.list(&lp))
             .await
             .map_err(|e| PluginError::Kube {
                 what: "list ResourceClaims".into(),

@@ -2,13 +2,14 @@
 //! (through [`GpuEvents`]) and the GPUs themselves (lost or present, live MIG
 //! instances through [`GpuBackend`]), folds them into
 //! [`carve_model::health::HealthState`], and publishes a [`HealthSnapshot`] on
-//! every change; [`apply_taints`] puts a snapshot's taints on built
-//! ResourceSlices. The `v1alpha1.DRAResourceHealth` stream on `dra.sock` is
+//! every change (the binary puts its taints on the published ResourceSlices
+//! through `carve_kube::desired::with_taints`, which validates them for the
+//! API server's version). The `v1alpha1.DRAResourceHealth` stream on `dra.sock` is
 //! served from a [`HealthHandle`] by [`serve_with`], through the
 //! [`dra_kubeletplugin`] kit's health service.
 //!
 //! Not here: classifying events (`carve_model::health`), publishing slices
-//! (the caller republishes after [`apply_taints`]).
+//! (the caller republishes with the snapshot's taints).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,17 +20,10 @@ use carve_gpu::{GpuBackend, GpuEvents, live_instances};
 use carve_model::DeviceName;
 use carve_model::MigProfile;
 use carve_model::health::{DeviceHealth, HealthPolicy, HealthState, LiveInstance};
-use k8s_openapi::api::resource::v1::{DeviceTaint, ResourceSlice};
+use k8s_openapi::api::resource::v1::DeviceTaint;
 use tokio::sync::watch;
 
 pub use crate::server::{ServeOptions, serve_with};
-
-/// Taints per device the API accepts in Kubernetes 1.34.
-pub const MAX_TAINTS_PER_DEVICE_1_34: usize = 4;
-/// Taints per device the API accepts from Kubernetes 1.35 on.
-pub const MAX_TAINTS_PER_DEVICE: usize = 16;
-/// Devices per ResourceSlice the API accepts when any device has taints.
-pub const MAX_DEVICES_WITH_TAINTS: usize = 64;
 
 /// Tunables of a [`HealthMonitor`].
 #[derive(Clone, Debug)]
@@ -64,32 +58,6 @@ pub struct HealthSnapshot {
 /// A health-policy or slice problem.
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    /// A device would get more taints than the API allows.
-    #[error(
-        "ResourceSlice {slice:?}: device {device} would get {count} taints, the API allows {max}"
-    )]
-    TooManyTaints {
-        /// The slice.
-        slice: String,
-        /// The device.
-        device: String,
-        /// Taints it would get.
-        count: usize,
-        /// The limit.
-        max: usize,
-    },
-    /// A slice with tainted devices has more devices than the API then allows.
-    #[error(
-        "ResourceSlice {slice:?} has {devices} devices and some are tainted; the API allows {max} then"
-    )]
-    SliceTooLarge {
-        /// The slice.
-        slice: String,
-        /// Its device count.
-        devices: usize,
-        /// The limit.
-        max: usize,
-    },
     /// [`HealthOptions::poll`] is zero: the loop would spin on NVML.
     #[error("health poll interval must be positive, got {poll:?}")]
     ZeroPoll {
@@ -102,57 +70,6 @@ pub enum HealthError {
         /// The join error.
         reason: String,
     },
-}
-
-/// Set `device.taints` on every device of `slices` from `taints` (by device
-/// name), clearing the taints of devices not in the map. Validates first and
-/// changes nothing on error: at most `max_per_device` taints per device
-/// ([`MAX_TAINTS_PER_DEVICE_1_34`] or [`MAX_TAINTS_PER_DEVICE`]) and at most
-/// [`MAX_DEVICES_WITH_TAINTS`] devices in a slice that gets any taint.
-/// Returns how many devices got taints.
-///
-/// # Errors
-/// [`HealthError::TooManyTaints`] or [`HealthError::SliceTooLarge`] naming the
-/// slice (and device).
-pub fn apply_taints(
-    slices: &mut [ResourceSlice],
-    taints: &BTreeMap<String, Vec<DeviceTaint>>,
-    max_per_device: usize,
-) -> Result<usize, HealthError> {
-    let slice_name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
-    for s in slices.iter() {
-        let devices = s.spec.devices.as_deref().unwrap_or_default();
-        let mut tainted = false;
-        for d in devices {
-            let Some(t) = taints.get(&d.name).filter(|t| !t.is_empty()) else {
-                continue;
-            };
-            tainted = true;
-            if t.len() > max_per_device {
-                return Err(HealthError::TooManyTaints {
-                    slice: slice_name(s),
-                    device: d.name.clone(),
-                    count: t.len(),
-                    max: max_per_device,
-                });
-            }
-        }
-        if tainted && devices.len() > MAX_DEVICES_WITH_TAINTS {
-            return Err(HealthError::SliceTooLarge {
-                slice: slice_name(s),
-                devices: devices.len(),
-                max: MAX_DEVICES_WITH_TAINTS,
-            });
-        }
-    }
-    let mut n = 0;
-    for s in slices.iter_mut() {
-        for d in s.spec.devices.iter_mut().flatten() {
-            d.taints = taints.get(&d.name).filter(|t| !t.is_empty()).cloned();
-            n += usize::from(d.taints.is_some());
-        }
-    }
-    Ok(n)
 }
 
 /// Starts the health loop; see [`HealthMonitor::start`].
@@ -431,113 +348,5 @@ impl HealthMonitor {
                 task: Mutex::new(Some(task)),
             }),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use k8s_openapi::api::resource::v1::{Device, ResourceSliceSpec};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-
-    fn slice(name: &str, devices: &[&str]) -> ResourceSlice {
-        ResourceSlice {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..ObjectMeta::default()
-            },
-            spec: ResourceSliceSpec {
-                driver: carve_model::DRIVER_NAME.into(),
-                devices: Some(
-                    devices
-                        .iter()
-                        .map(|d| Device {
-                            name: (*d).into(),
-                            ..Device::default()
-                        })
-                        .collect(),
-                ),
-                ..ResourceSliceSpec::default()
-            },
-        }
-    }
-
-    fn taint(key: &str) -> DeviceTaint {
-        DeviceTaint {
-            key: key.into(),
-            value: Some("1".into()),
-            effect: "NoSchedule".into(),
-            time_added: None,
-        }
-    }
-
-    fn taints_of(s: &[ResourceSlice]) -> Vec<(String, usize)> {
-        s.iter()
-            .flat_map(|s| s.spec.devices.iter().flatten())
-            .map(|d| (d.name.clone(), d.taints.as_ref().map_or(0, Vec::len)))
-            .collect()
-    }
-
-    #[test]
-    fn apply_taints_sets_and_clears_by_device_name() {
-        let mut s = vec![slice("a", &["gpu-0", "gpu-0-mps"]), slice("b", &["gpu-1"])];
-        s[1].spec.devices.as_mut().unwrap()[0].taints = Some(vec![taint("old")]);
-        let map = BTreeMap::from([
-            ("gpu-0".to_string(), vec![taint("x"), taint("y")]),
-            ("gpu-0-mps".to_string(), vec![]),
-            ("gpu-9".to_string(), vec![taint("z")]),
-        ]);
-        assert_eq!(
-            apply_taints(&mut s, &map, MAX_TAINTS_PER_DEVICE_1_34).unwrap(),
-            1
-        );
-        assert_eq!(
-            taints_of(&s),
-            [
-                ("gpu-0".to_string(), 2),
-                ("gpu-0-mps".to_string(), 0),
-                ("gpu-1".to_string(), 0)
-            ]
-        );
-        assert!(s[0].spec.devices.as_ref().unwrap()[1].taints.is_none());
-    }
-
-    #[test]
-    fn apply_taints_rejects_over_limit_and_changes_nothing() {
-        let mut s = vec![slice("a", &["gpu-0"]), slice("b", &["gpu-1"])];
-        let five: Vec<DeviceTaint> = (0..5).map(|i| taint(&format!("k{i}"))).collect();
-        let map = BTreeMap::from([
-            ("gpu-0".to_string(), vec![taint("x")]),
-            ("gpu-1".to_string(), five),
-        ]);
-        let before = s.clone();
-        let e = apply_taints(&mut s, &map, MAX_TAINTS_PER_DEVICE_1_34).unwrap_err();
-        assert!(
-            matches!(&e, HealthError::TooManyTaints { slice, device, count: 5, max: 4 } if slice == "b" && device == "gpu-1"),
-            "{e}"
-        );
-        assert!(e.to_string().contains("gpu-1"), "{e}");
-        assert_eq!(s, before, "nothing applied");
-        assert_eq!(
-            apply_taints(&mut s, &map, MAX_TAINTS_PER_DEVICE).unwrap(),
-            2
-        );
-
-        let names: Vec<String> = (0..65).map(|i| format!("gpu-0-mig-1g10gb-{i}")).collect();
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let mut big = vec![slice("big", &refs)];
-        let before = big.clone();
-        let map = BTreeMap::from([(names[3].clone(), vec![taint("x")])]);
-        let e = apply_taints(&mut big, &map, MAX_TAINTS_PER_DEVICE).unwrap_err();
-        assert!(
-            matches!(&e, HealthError::SliceTooLarge { slice, devices: 65, max: 64 } if slice == "big"),
-            "{e}"
-        );
-        assert_eq!(big, before);
-        // Without taints a large slice is fine.
-        assert_eq!(
-            apply_taints(&mut big, &BTreeMap::new(), MAX_TAINTS_PER_DEVICE).unwrap(),
-            0
-        );
     }
 }

@@ -26,6 +26,8 @@ pub mod control;
 pub mod detect;
 pub mod error;
 pub mod fake;
+pub mod fake_smi;
+pub mod memlimit;
 mod proc;
 pub mod shm;
 

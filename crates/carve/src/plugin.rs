@@ -63,10 +63,15 @@ pub struct PluginArgs {
     /// a host path mounted at the same path in the plugin container.
     #[arg(long)]
     pub mps_dir: Option<PathBuf>,
-    /// The cgroup v2 mount, read to report the node's cgroup version and
-    /// `dmem` regions (carve binds no MPS share to a cgroup).
+    /// The cgroup v2 mount: its `dmem.capacity` says which GPUs have memory
+    /// partitioning, and hard MPS memory limits go on pod cgroups below it.
     #[arg(long, default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
+    /// `nvidia-smi`, through which hard MPS memory limits are set (`nvidia-smi
+    /// memory-limits`) on a whole GPU with memory partitioning (dmem). Unset:
+    /// no limits are set and MPS memory is published `client`.
+    #[arg(long)]
+    pub nvidia_smi: Option<PathBuf>,
     /// The `/dev/shm` of MPS daemons and their clients: `unit-tmpfs` (a tmpfs
     /// per shared GPU or MIG instance, the daemon's `/dev/shm` and bound at
     /// `/dev/shm` in every share's containers, as CUDA MPS clients need;
@@ -179,6 +184,7 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
         config.root.clone_from(d);
     }
     config.cgroup_root.clone_from(&args.cgroup_root);
+    config.nvidia_smi.clone_from(&args.nvidia_smi);
     // Daemons start through this binary, on their unit's tmpfs as /dev/shm.
     match args.mps_dev_shm {
         MpsDevShm::UnitTmpfs => {
@@ -333,6 +339,7 @@ pub(crate) fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow:
             gpu: info.physical(spec),
             policy: slice_policy,
             mig_locked,
+            mps_memory_hard: false,
         });
     }
     Ok(Inventory { gpus })
@@ -417,7 +424,19 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         if !args.sharing.is_empty() && version < KubeVersion::V1_36 {
             tracing::warn!(%version, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
-        let build = Builder { gpus: inv.gpus.clone(), opts };
+        let mut gpus = inv.gpus.clone();
+        if let Some(m) = &mps {
+            for g in &mut gpus {
+                match carve_mps::memlimit::whole_gpu(&m.support, &m.config.cgroup_root, g.gpu.pci_bus_id.as_deref()) {
+                    Ok(key) => {
+                        tracing::info!(gpu.index = g.gpu.index, dmem = %key, "whole-GPU MPS memory limit: hard (memory partitioning set through nvidia-smi, read back from dmem.max)");
+                        g.mps_memory_hard = true;
+                    }
+                    Err(why) => tracing::info!(gpu.index = g.gpu.index, reason = %why, "whole-GPU MPS memory limit: client"),
+                }
+            }
+        }
+        let build = Builder { gpus, opts };
         let desired = build.slices(version)?;
 
         let metrics = Arc::new(carve_metrics::Metrics::new());

@@ -95,31 +95,33 @@ pub enum NotHard {
     NoPci,
 }
 
-/// Why setting, reading back or clearing a limit failed. Each names the GPU
-/// and the cgroup.
+/// Why setting, reading back or clearing a limit failed, naming the GPU and
+/// the cgroup.
 #[derive(Debug, thiserror::Error)]
-pub enum MemLimitError {
+#[error("memory limit of GPU {gpu} on cgroup {}: {what}", cgroup.display())]
+pub struct MemLimitError {
+    /// GPU UUID.
+    pub gpu: String,
+    /// Full cgroup path.
+    pub cgroup: PathBuf,
+    /// What failed (boxed: it is large).
+    pub what: Box<MemLimitFailure>,
+}
+
+/// What failed in a [`MemLimitError`].
+#[derive(Debug, thiserror::Error)]
+pub enum MemLimitFailure {
     /// The tool could not be run or timed out.
-    #[error("memory limit of GPU {gpu} on cgroup {cgroup}: running {command:?} failed: {why}")]
+    #[error("running {command:?} failed: {why}")]
     Spawn {
-        /// GPU UUID.
-        gpu: String,
-        /// Full cgroup path.
-        cgroup: PathBuf,
         /// The command line.
         command: String,
         /// Spawn error or timeout.
         why: String,
     },
     /// The tool refused (non-zero exit or killed).
-    #[error(
-        "memory limit of GPU {gpu} on cgroup {cgroup}: {command:?} failed ({status}): {output}"
-    )]
+    #[error("{command:?} failed ({status}): {output}")]
     Refused {
-        /// GPU UUID.
-        gpu: String,
-        /// Full cgroup path.
-        cgroup: PathBuf,
         /// The command line.
         command: String,
         /// Exit status.
@@ -128,14 +130,8 @@ pub enum MemLimitError {
         output: String,
     },
     /// What `dmem.max`/`dmem.min` says is not what was set.
-    #[error(
-        "memory limit of GPU {gpu} on cgroup {cgroup}: {file} has {got:?} for {key} after nvidia-smi set {want:?}"
-    )]
+    #[error("{file} has {got:?} for {key} after nvidia-smi set {want:?}")]
     ReadBack {
-        /// GPU UUID.
-        gpu: String,
-        /// Full cgroup path.
-        cgroup: PathBuf,
         /// `dmem.max` or `dmem.min`.
         file: &'static str,
         /// The dmem key.
@@ -145,6 +141,14 @@ pub enum MemLimitError {
         /// Found value, or why none.
         got: String,
     },
+}
+
+fn failed(gpu: &Gpu<'_>, cgroup: PathBuf, what: MemLimitFailure) -> MemLimitError {
+    MemLimitError {
+        gpu: gpu.uuid.to_string(),
+        cgroup,
+        what: Box::new(what),
+    }
 }
 
 /// Where a share's limit goes: the GPU and its dmem key.
@@ -290,22 +294,28 @@ impl MemLimits {
         );
         let mut cmd = Command::new(&self.tool);
         cmd.args(&args);
-        let out = proc::run(cmd, "", self.timeout).map_err(|why| MemLimitError::Spawn {
-            gpu: gpu.uuid.to_string(),
-            cgroup: full.clone(),
-            command: command.clone(),
-            why,
+        let out = proc::run(cmd, "", self.timeout).map_err(|why| {
+            failed(
+                gpu,
+                full.clone(),
+                MemLimitFailure::Spawn {
+                    command: command.clone(),
+                    why,
+                },
+            )
         })?;
         if !out.status.success() {
-            return Err(MemLimitError::Refused {
-                gpu: gpu.uuid.to_string(),
-                cgroup: full,
-                command,
-                status: out.status.to_string(),
-                output: format!("{} {}", out.stderr.trim(), out.stdout.trim())
-                    .trim()
-                    .to_string(),
-            });
+            return Err(failed(
+                gpu,
+                full,
+                MemLimitFailure::Refused {
+                    command,
+                    status: out.status.to_string(),
+                    output: format!("{} {}", out.stderr.trim(), out.stdout.trim())
+                        .trim()
+                        .to_string(),
+                },
+            ));
         }
         Ok(())
     }
@@ -326,14 +336,16 @@ impl MemLimits {
         if got == want {
             return Ok(());
         }
-        Err(MemLimitError::ReadBack {
-            gpu: gpu.uuid.to_string(),
-            cgroup: full,
-            file,
-            key: gpu.key.to_string(),
-            want: want.to_string(),
-            got,
-        })
+        Err(failed(
+            gpu,
+            full,
+            MemLimitFailure::ReadBack {
+                file,
+                key: gpu.key.to_string(),
+                want: want.to_string(),
+                got,
+            },
+        ))
     }
 }
 

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use carve_mps::fake_smi::{self, Config, FakeGpu, NOT_SUPPORTED, fixture};
-use carve_mps::memlimit::{Gpu, MIB, MemLimitError, MemLimits, dmem_value};
+use carve_mps::memlimit::{Gpu, MIB, MemLimitFailure, MemLimits, dmem_value};
 
 const FAKE: &str = env!("CARGO_BIN_EXE_carve-fake-mps-control");
 const UUID: &str = "GPU-11111111-2222-3333-4444-555555555555";
@@ -154,7 +154,8 @@ fn the_double_rejects_each_undocumented_form() {
     ];
     // The documented forms work: [MP] with --set and -i <idx>, [DYN] without
     // --set, -n, and -i <UUID>.
-    assert_eq!(n.smi(&ok).0, true, "{}", n.smi(&ok).1);
+    let (set, out) = n.smi(&ok);
+    assert!(set, "{out}");
     let dyn_form = [
         "memory-limits",
         "-n",
@@ -430,7 +431,7 @@ fn a_refusing_tool_fails_naming_gpu_cgroup_and_output() {
     let n = node();
     n.knob(Some("refuse"));
     let e = n.limits().set(&gpu(), Path::new(POD), 1024).unwrap_err();
-    assert!(matches!(e, MemLimitError::Refused { .. }), "{e}");
+    assert!(matches!(*e.what, MemLimitFailure::Refused { .. }), "{e}");
     let m = e.to_string();
     assert!(
         m.contains(UUID) && m.contains(POD) && m.contains("knob refuse"),
@@ -444,7 +445,7 @@ fn a_dying_tool_fails() {
     let n = node();
     n.knob(Some("die"));
     let e = n.limits().set(&gpu(), Path::new(POD), 1024).unwrap_err();
-    assert!(matches!(e, MemLimitError::Refused { .. }), "{e}");
+    assert!(matches!(*e.what, MemLimitFailure::Refused { .. }), "{e}");
     assert!(e.to_string().contains("signal"), "{e}");
     assert_eq!(n.file(POD, "dmem.max", KEY), "max");
 }
@@ -456,8 +457,8 @@ fn a_read_back_mismatch_fails_and_clears() {
     let e = n.limits().set(&gpu(), Path::new(POD), 1024).unwrap_err();
     assert!(
         matches!(
-            e,
-            MemLimitError::ReadBack {
+            *e.what,
+            MemLimitFailure::ReadBack {
                 file: "dmem.max",
                 ..
             }

@@ -69,7 +69,7 @@ fn hard_node() -> Hard {
     config.timeout = std::time::Duration::from_secs(10);
     config.nvidia_smi = Some(link);
     let support = carve_mps::detect(&config).unwrap();
-    assert_eq!(support.dmem_regions, [key0.clone()]);
+    assert_eq!(support.dmem_regions, std::slice::from_ref(&key0));
     node.config.mps = Some(MpsSetup { config, support });
     Hard {
         node,

@@ -214,6 +214,28 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
     Ok(Some(carve_plugin::MpsSetup { config, support }))
 }
 
+/// Mark the GPUs whose whole-GPU MPS memory limit is `hard` (memory
+/// partitioning holds and carve can set and read it back), logging per GPU
+/// why or why not.
+fn mark_hard_memory(gpus: &mut [NodeGpu], m: &carve_plugin::MpsSetup) {
+    for g in gpus {
+        match carve_mps::memlimit::whole_gpu(
+            &m.support,
+            &m.config.cgroup_root,
+            g.gpu.pci_bus_id.as_deref(),
+        ) {
+            Ok(key) => {
+                tracing::info!(gpu.index = g.gpu.index, dmem = %key, "whole-GPU MPS memory limit: hard (memory partitioning set through nvidia-smi, read back from dmem.max)");
+                g.mps_memory_hard = true;
+            }
+            Err(why) => {
+                tracing::info!(gpu.index = g.gpu.index, reason = %why, "whole-GPU MPS memory limit: client");
+                g.mps_memory_hard = false;
+            }
+        }
+    }
+}
+
 /// Default and per-GPU MIG policies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigPolicy {
@@ -426,15 +448,7 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         }
         let mut gpus = inv.gpus.clone();
         if let Some(m) = &mps {
-            for g in &mut gpus {
-                match carve_mps::memlimit::whole_gpu(&m.support, &m.config.cgroup_root, g.gpu.pci_bus_id.as_deref()) {
-                    Ok(key) => {
-                        tracing::info!(gpu.index = g.gpu.index, dmem = %key, "whole-GPU MPS memory limit: hard (memory partitioning set through nvidia-smi, read back from dmem.max)");
-                        g.mps_memory_hard = true;
-                    }
-                    Err(why) => tracing::info!(gpu.index = g.gpu.index, reason = %why, "whole-GPU MPS memory limit: client"),
-                }
-            }
+            mark_hard_memory(&mut gpus, m);
         }
         let build = Builder { gpus, opts };
         let desired = build.slices(version)?;
@@ -684,6 +698,49 @@ pub(crate) fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_gpus_in_dmem_capacity_get_hard_memory_and_only_with_nvidia_smi() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("cg");
+        carve_mps::fake_smi::fixture::root(
+            &root,
+            &[("nvidia/0000:3b:00.0/vidmem".into(), 1 << 30)],
+            true,
+        )
+        .unwrap();
+        let mut config = carve_mps::MpsConfig::new(d.path());
+        config.control_binary = std::path::PathBuf::from("/bin/false");
+        config.protocol = carve_mps::ProtocolChoice::V2;
+        config.cgroup_root = root;
+        let node = |pci: [&str; 2]| -> Vec<NodeGpu> {
+            pci.iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let mut g =
+                        carve_model::slices::simulated_node("h100-80gb", 1).unwrap()[0].clone();
+                    g.index = u32::try_from(i).unwrap();
+                    g.pci_bus_id = Some((*p).to_string());
+                    NodeGpu::dynamic(g)
+                })
+                .collect()
+        };
+        let mark = |config: &carve_mps::MpsConfig| {
+            let support = carve_mps::detect(config).unwrap();
+            let m = carve_plugin::MpsSetup {
+                config: config.clone(),
+                support,
+            };
+            let mut gpus = node(["00000000:3B:00.0", "00000000:86:00.0"]);
+            mark_hard_memory(&mut gpus, &m);
+            gpus.iter().map(|g| g.mps_memory_hard).collect::<Vec<_>>()
+        };
+        assert_eq!(mark(&config), [false, false], "no --nvidia-smi");
+        config.nvidia_smi = Some(std::path::PathBuf::from("/bin/true"));
+        assert_eq!(mark(&config), [true, false], "GPU 1 not in dmem.capacity");
+        carve_mps::fake_smi::fixture::root_without_dmem(&config.cgroup_root).unwrap();
+        assert_eq!(mark(&config), [false, false], "misc backend: no dmem");
+    }
 
     #[test]
     fn mig_policy_parses_defaults_and_overrides() {

@@ -1352,6 +1352,47 @@ mod tests {
     }
 
     #[test]
+    fn hard_memory_is_published_per_gpu_and_never_on_mig_mps() {
+        let client = MpsCapabilities {
+            memory_limit: MemoryLimit::Client,
+            ..CAPS
+        };
+        let mut gpus: Vec<NodeGpu> = simulated_node("h100-80gb", 2)
+            .unwrap()
+            .into_iter()
+            .map(NodeGpu::dynamic)
+            .collect();
+        gpus[0].mps_memory_hard = true;
+        let mut o = SliceOptions::new("node-1", KubeLayout::V135Plus);
+        o.sharing = SharingOptions {
+            mps_caps: Some(client),
+            ..all_sharing()
+        };
+        let devs: Vec<Device> = build_slices(&gpus, &o)
+            .unwrap()
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .cloned()
+            .collect();
+        let mem = |d: &Device| {
+            d.attributes.as_ref().unwrap()["mpsMemoryLimit"]
+                .string
+                .clone()
+                .unwrap()
+        };
+        assert_eq!(mem(find(&devs, "gpu-0-mps")), "hard");
+        assert_eq!(mem(find(&devs, "gpu-1-mps")), "client");
+        let mig_mps: Vec<&Device> = devs
+            .iter()
+            .filter(|d| d.name.starts_with("gpu-0-mig-") && d.name.ends_with("-mps"))
+            .collect();
+        assert!(!mig_mps.is_empty());
+        for d in mig_mps {
+            assert_eq!(mem(d), "client", "{}", d.name);
+        }
+    }
+
+    #[test]
     fn every_model_and_count_publishes_valid_sharing_devices() {
         for m in crate::MODELS {
             for count in [1, 2, 8] {

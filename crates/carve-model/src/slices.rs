@@ -150,6 +150,10 @@ pub struct NodeGpu {
     /// only inside MIG instances, so neither the whole GPU nor its whole-GPU
     /// sharing devices (MPS, time-slice) are published, whatever the policy.
     pub mig_locked: bool,
+    /// Its whole-GPU MPS device's memory limit is `hard`: memory
+    /// partitioning holds on this GPU (detected by the plugin). Its MIG-MPS
+    /// devices are never `hard` ([`MpsCapabilities::on_mig`]).
+    pub mps_memory_hard: bool,
 }
 
 impl NodeGpu {
@@ -160,6 +164,7 @@ impl NodeGpu {
             gpu,
             policy,
             mig_locked: false,
+            mps_memory_hard: false,
         }
     }
 
@@ -182,6 +187,21 @@ pub struct SharingOptions {
     pub timeslice: bool,
     /// Publish `gpu-<i>-mig-<p>-<s>-mps` for every published MIG placement.
     pub mig_mps: bool,
+}
+
+impl SharingOptions {
+    /// These options with the MPS memory limit `hard` (for a GPU where
+    /// memory partitioning holds, [`NodeGpu::mps_memory_hard`]).
+    #[must_use]
+    pub fn with_hard_memory(self) -> Self {
+        Self {
+            mps_caps: self.mps_caps.map(|c| MpsCapabilities {
+                memory_limit: crate::sharing::MemoryLimit::Hard,
+                ..c
+            }),
+            ..self
+        }
+    }
 }
 
 /// Inputs of [`build_slices`] besides the GPUs.
@@ -1521,12 +1541,17 @@ pub fn build_slices(
     // device) about eight times.
     let mut devices: Vec<(usize, Device)> = Vec::with_capacity(planned.len());
     for p in &planned {
+        let sharing = if gpus[p.gpu].mps_memory_hard {
+            opts.sharing.with_hard_memory()
+        } else {
+            opts.sharing
+        };
         let d = make_device(
             p,
             &gpus[p.gpu].gpu,
             &mut parts[p.gpu],
             models[p.gpu].as_ref(),
-            &opts.sharing,
+            &sharing,
         )?;
         devices.push((p.gpu, d));
     }

@@ -1,7 +1,7 @@
-//! Where a pod's cgroup is. Used only where a share's memory limit is `hard`,
-//! which carve publishes nowhere today: no MPS namespace is bound to a cgroup
-//! (release 615 has no binding, 620's CLI for it is undocumented) and carve
-//! sets no memory-partitioning limit (it writes no `dmem.*` file).
+//! Where a pod's cgroup is: where a share's hard memory limit goes
+//! ([`crate::memlimit`], set through `nvidia-smi memory-limits` on the pod
+//! cgroup). No MPS namespace is bound to a cgroup (release 615 has no
+//! binding, 620's CLI for it is undocumented).
 //!
 //! The kubelet creates the pod cgroup before it prepares the pod's DRA claims
 //! (`SyncPod` runs `pcm.EnsureExists(pod)`; the runtime's `SyncPod` then calls

@@ -20,13 +20,18 @@
 //! 620's command-line spelling for a cgroup binding, the one difference carve
 //! could use, is not in what was read, so carve drives both with the 615 CLI.
 //!
-//! Enforcement published ([`Support::capabilities`]): memory is `client`
-//! on every unit. A v3 namespace's pinned limit is applied by the CUDA client
-//! and a tenant can escape it ([DYN]: one `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`
+//! Enforcement published ([`Support::capabilities_of`]): memory is `hard`
+//! only on a whole, non-MIG GPU where memory partitioning holds and carve can
+//! verify it: an executable `nvidia-smi` is configured, cgroup v2 is at the
+//! cgroup root and its `dmem.capacity` lists the GPU's `nvidia/<BDF>/vidmem`
+//! region ([`crate::memlimit::whole_gpu`]). carve then sets the share's limit
+//! on its pod's cgroup through `nvidia-smi memory-limits` and reads it back
+//! from `dmem.max` ([`crate::memlimit`]). Everywhere else memory is
+//! `client`: a v3 namespace's pinned limit is applied by the CUDA client and
+//! a tenant can escape it ([DYN]: one `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`
 //! entry naming an invisible device drops it); a v2 limit is the client's
-//! variable. The documented hard limit is memory partitioning set through
-//! NVML or `nvidia-smi memory-limits` on a non-MIG GPU [MP], which carve does
-//! not set up yet, so it never publishes `hard`. Compute is `percentage` in
+//! variable; MIG is unsupported by memory partitioning [MP]; the misc backend
+//! has no files to read a limit back from. Compute is `percentage` in
 //! v3 (the namespace's active-thread percentage, which overrides the client's
 //! variable [ENV]; a ceiling on the threads the client may use, not a
 //! reservation [DYN]) and `client` in v2.
@@ -78,6 +83,9 @@ pub struct MpsConfig {
     /// edits; the daemon keeps the plugin's `/dev/shm`, which a workload
     /// container does not see, so a real MPS client cannot use the server.
     pub shm_launcher: Option<PathBuf>,
+    /// `nvidia-smi`, which sets hard memory limits (memory partitioning,
+    /// [`crate::memlimit`]). `None`: none are set, memory stays `client`.
+    pub nvidia_smi: Option<PathBuf>,
 }
 
 impl MpsConfig {
@@ -93,6 +101,7 @@ impl MpsConfig {
             protocol: ProtocolChoice::Auto,
             timeout: Duration::from_secs(10),
             shm_launcher: None,
+            nvidia_smi: None,
         }
     }
 
@@ -114,14 +123,44 @@ pub struct Support {
     /// `dmem` regions (`nvidia/<pci>/vidmem`) from `dmem.capacity`; empty when
     /// the controller is missing.
     pub dmem_regions: Vec<String>,
+    /// The configured `nvidia-smi`, where it is executable: hard memory
+    /// limits are set through it ([`crate::memlimit`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvidia_smi: Option<PathBuf>,
+    /// Why the configured `nvidia-smi` cannot be used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvidia_smi_missing: Option<String>,
 }
 
 impl Support {
-    /// The enforcement levels of a whole GPU's MPS unit (see the module
-    /// docs); a MIG instance's are [`MpsCapabilities::on_mig`] of these.
+    /// The base enforcement levels, without memory partitioning (memory
+    /// `client`); a unit's own are [`Support::capabilities_of`].
     #[must_use]
     pub fn capabilities(&self) -> MpsCapabilities {
         capabilities(self.protocol)
+    }
+
+    /// The enforcement levels of one unit: a whole GPU's (`mig` false, at PCI
+    /// bus id `pci`) memory limit is `hard` where memory partitioning holds
+    /// for it ([`crate::memlimit::whole_gpu`]); a MIG instance's never is.
+    #[must_use]
+    pub fn capabilities_of(
+        &self,
+        cgroup_root: &Path,
+        pci: Option<&str>,
+        mig: bool,
+    ) -> MpsCapabilities {
+        let c = self.capabilities();
+        if mig {
+            return c.on_mig();
+        }
+        match crate::memlimit::whole_gpu(self, cgroup_root, pci) {
+            Ok(_) => MpsCapabilities {
+                memory_limit: MemoryLimit::Hard,
+                ..c
+            },
+            Err(_) => c,
+        }
     }
 
     /// The `dmem` region of the GPU at PCI bus id `pci` (any domain width, any case).
@@ -135,12 +174,13 @@ impl Support {
     }
 }
 
-/// Why no MPS unit's memory limit is `hard` (module docs), for the error of
-/// a claim that demands `hard`.
-pub const WHY_MEMORY_IS_CLIENT: &str = "no MPS memory limit carve sets holds against the workload: a v3 namespace's pinned limit is applied by the CUDA client and a tenant can escape it (NVIDIA Dynamo measured it), a v2 limit is the client's own variable; the hard limit, NVIDIA's memory partitioning set through nvidia-smi memory-limits or NVML on a whole non-MIG GPU, is not set up by carve (and never applies to MIG)";
+/// Why an MPS unit's memory limit is `client` (module docs), for the error of
+/// a claim that demands `hard`; the unit's own reason is
+/// [`crate::memlimit::NotHard`].
+pub const WHY_MEMORY_IS_CLIENT: &str = "a v3 namespace's pinned limit is applied by the CUDA client and a tenant can escape it (NVIDIA Dynamo measured it), a v2 limit is the client's own variable; carve publishes hard only on a whole non-MIG GPU whose memory partitioning (dmem) it can set through nvidia-smi memory-limits and read back";
 
-/// The enforcement levels a whole GPU's MPS unit has under `protocol`:
-/// memory `client` either way (carve sets up no memory partitioning), compute
+/// The base enforcement levels under `protocol` (before memory partitioning,
+/// [`Support::capabilities_of`]): memory `client`, compute
 /// `percentage` (the v3 namespace's active-thread ceiling) or `client` (v2's
 /// variable).
 #[must_use]
@@ -212,10 +252,19 @@ pub fn detect(cfg: &MpsConfig) -> Result<Support, MpsError> {
     }
     // No cgroup binding is used, so v3 does not need cgroup v2.
     let protocol = if v3 { Protocol::V3 } else { Protocol::V2 };
+    let (nvidia_smi, nvidia_smi_missing) = match &cfg.nvidia_smi {
+        None => (None, None),
+        Some(p) => match proc::executable(p) {
+            Ok(()) => (Some(p.clone()), None),
+            Err(why) => (None, Some(format!("{} {why}", p.display()))),
+        },
+    };
     Ok(Support {
         protocol,
         cgroup_v2,
         dmem_regions,
+        nvidia_smi,
+        nvidia_smi_missing,
     })
 }
 
@@ -268,6 +317,8 @@ mod tests {
                 "nvidia/0000:3b:00.0/vidmem".into(),
                 "nvidia/0000:86:00.0/vidmem".into(),
             ],
+            nvidia_smi: None,
+            nvidia_smi_missing: None,
         };
         assert_eq!(
             s.dmem_region("00000000:86:00.0"),
@@ -288,16 +339,76 @@ mod tests {
     }
 
     #[test]
-    fn memory_is_never_published_hard() {
+    fn memory_is_hard_only_on_a_whole_gpu_with_dmem_and_the_tool() {
+        let root = Path::new("/sys/fs/cgroup");
         for protocol in [Protocol::V2, Protocol::V3] {
-            let s = Support {
+            let mut s = Support {
                 protocol,
                 cgroup_v2: true,
                 dmem_regions: vec!["nvidia/0000:3b:00.0/vidmem".into()],
+                nvidia_smi: None,
+                nvidia_smi_missing: None,
             };
+            let pci = Some("00000000:3B:00.0");
             assert_eq!(s.capabilities().memory_limit, MemoryLimit::Client);
-            assert_eq!(s.capabilities().on_mig().memory_limit, MemoryLimit::Client);
+            assert_eq!(
+                s.capabilities_of(root, pci, false).memory_limit,
+                MemoryLimit::Client,
+                "no nvidia-smi"
+            );
+            s.nvidia_smi = Some(PathBuf::from("/usr/bin/nvidia-smi"));
+            assert_eq!(
+                s.capabilities_of(root, pci, false).memory_limit,
+                MemoryLimit::Hard
+            );
+            assert_eq!(
+                s.capabilities_of(root, pci, true).memory_limit,
+                MemoryLimit::Client,
+                "MIG-MPS is never hard"
+            );
+            assert_eq!(
+                s.capabilities_of(root, Some("0000:86:00.0"), false)
+                    .memory_limit,
+                MemoryLimit::Client,
+                "GPU not in dmem.capacity"
+            );
+            s.dmem_regions.clear();
+            assert_eq!(
+                s.capabilities_of(root, pci, false).memory_limit,
+                MemoryLimit::Client,
+                "misc backend"
+            );
+            s.cgroup_v2 = false;
+            assert_eq!(
+                s.capabilities_of(root, pci, false).memory_limit,
+                MemoryLimit::Client,
+                "cgroup v1"
+            );
         }
+    }
+
+    #[test]
+    fn detect_finds_the_configured_nvidia_smi_or_says_why_not() {
+        let d = tempfile::tempdir().unwrap();
+        let mut cfg = MpsConfig::new(d.path());
+        cfg.control_binary = PathBuf::from("/bin/false");
+        cfg.protocol = ProtocolChoice::V2;
+        cfg.cgroup_root = d.path().join("cg");
+        assert_eq!(detect(&cfg).unwrap().nvidia_smi, None);
+        cfg.nvidia_smi = Some(d.path().join("nvidia-smi"));
+        let s = detect(&cfg).unwrap();
+        assert_eq!(s.nvidia_smi, None);
+        assert!(
+            s.nvidia_smi_missing
+                .as_deref()
+                .is_some_and(|w| w.contains("does not exist")),
+            "{s:?}"
+        );
+        cfg.nvidia_smi = Some(PathBuf::from("/bin/true"));
+        assert_eq!(
+            detect(&cfg).unwrap().nvidia_smi,
+            Some(PathBuf::from("/bin/true"))
+        );
     }
 
     #[test]

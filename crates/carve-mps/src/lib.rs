@@ -18,7 +18,10 @@
 //! documentation (`../shared/reference/mps-v3.md`), it rejects what the real
 //! daemon rejects, models per-server and per-namespace sockets, UID routing
 //! and servers that never become `Ready`, records what it gets, and crashes
-//! on request.
+//! on request. [`fake_smi`] stands in for `nvidia-smi memory-limits`, with
+//! a cgroup fixture that has `dmem.*` files only where the parent enables
+//! `+dmem`; [`memlimit`] sets, reads back and clears hard memory limits
+//! through the real or the fake tool.
 
 pub mod cdi;
 pub mod cgroup;
@@ -26,6 +29,8 @@ pub mod control;
 pub mod detect;
 pub mod error;
 pub mod fake;
+pub mod fake_smi;
+pub mod memlimit;
 mod proc;
 pub mod shm;
 

@@ -73,6 +73,27 @@ pub struct CheckpointBody {
     /// for an MPS daemon (set back to `DEFAULT` when the daemon stops).
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub compute_mode_set_by_plugin: BTreeSet<String>,
+    /// Hard MPS memory limits (memory partitioning) carve set or is about to
+    /// set on pod cgroups, recorded before `nvidia-smi` is called, so that
+    /// recovery clears those of claims that did not complete.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub memory_limits_set_by_plugin: BTreeSet<MemoryLimitRecord>,
+}
+
+/// One hard memory limit on a pod cgroup for one GPU.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MemoryLimitRecord {
+    /// The claim whose shares it bounds.
+    pub claim_uid: String,
+    /// The pod cgroup, relative to the cgroup root.
+    pub cgroup: PathBuf,
+    /// GPU UUID (`nvidia-smi -i`).
+    pub gpu_uuid: String,
+    /// The GPU's dmem key (`nvidia/<PCI BDF>/vidmem`).
+    pub key: String,
+    /// Soft = hard limit, MiB (the sum of the claim's shares of the GPU).
+    pub mib: u64,
 }
 
 /// Where a claim is in its life.
@@ -205,6 +226,26 @@ pub struct MpsShare {
     /// daemon accepted the share.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub edits: Option<carve_mps::ShareEdits>,
+    /// The share's memory limit is to be hard (memory partitioning on its
+    /// whole, non-MIG GPU): the GPU's dmem key. The limit goes on the pod
+    /// cgroup `cgroup`; `None`: the memory limit is the CUDA client's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hard_memory: Option<HardMemory>,
+    /// Why the share's memory limit is `client`, when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_client_why: Option<String>,
+}
+
+/// A share's hard memory limit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HardMemory {
+    /// The GPU's dmem key (`nvidia/<PCI BDF>/vidmem`).
+    pub key: String,
+    /// The claim's opaque config demands `hard` (an error rather than
+    /// `client` where it cannot be set).
+    #[serde(default)]
+    pub demanded: bool,
 }
 
 /// A checkpoint that cannot be used.

@@ -40,7 +40,9 @@ pub fn failure_reason(e: &ClaimError) -> FailureReason {
         ClaimError::Backend { .. } | ClaimError::Busy { .. } => FailureReason::Nvml,
         ClaimError::Kube { .. } => FailureReason::KubeApi,
         ClaimError::Checkpoint(_) => FailureReason::Checkpoint,
-        ClaimError::Mps { .. } | ClaimError::NoPodCgroup { .. } => FailureReason::Mps,
+        ClaimError::Mps { .. }
+        | ClaimError::NoPodCgroup { .. }
+        | ClaimError::MemoryLimit { .. } => FailureReason::Mps,
         ClaimError::Cdi(_) | ClaimError::Driver(_) => FailureReason::Cdi,
         ClaimError::Task(_) => FailureReason::Internal,
     }

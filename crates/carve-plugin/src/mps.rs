@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use carve_gpu::{ComputeMode, ComputeTarget, GpuBackend};
 use carve_mps::{ClientSpec, Ensure, MpsControl, MpsError, MpsTarget};
 
-use crate::checkpoint::{DeviceRecord, PreparedKind};
+use crate::checkpoint::{DeviceRecord, MemoryLimitRecord, PreparedKind};
 use crate::config::MpsSetup;
 use crate::driver::ClaimError;
 
@@ -63,28 +63,185 @@ fn mps_err(device: &str) -> impl FnOnce(MpsError) -> ClaimError + '_ {
     }
 }
 
-/// The pod cgroup a share binds to: the first pod of `pods` whose cgroup
-/// exists; only where memory is `hard`, which carve publishes nowhere today
-/// (no MPS namespace is bound to a cgroup: release 615 has no binding).
-fn resolve_cgroup(
+/// The hard memory limits a claim's shares need: per (pod cgroup, GPU), the
+/// sum of the claim's shares of that GPU. Decided before anything is set,
+/// so the intent can be recorded first.
+#[derive(Debug, Default)]
+pub(crate) struct MemoryPlan {
+    /// The limits to set, recorded in the checkpoint before `nvidia-smi` runs.
+    pub limits: Vec<MemoryLimitRecord>,
+    /// Per device index: the pod cgroup its share's limit is on.
+    pub cgroups: BTreeMap<usize, PathBuf>,
+    /// Per device index: why a share of a hard device stays `client`.
+    pub client: BTreeMap<usize, String>,
+}
+
+/// Plan the hard memory limits of `devices` (shares with
+/// [`crate::checkpoint::HardMemory`]). The limit goes on the claim's one
+/// reserved pod's cgroup (the only cgroup that exists at prepare): with
+/// several reserved pods no per-share bound can be set (a per-pod limit
+/// would give each pod the whole share), so the share stays `client`, or the
+/// claim fails where its config demands `hard`. A pod that already has a
+/// limit on the GPU from another claim (`taken`: (cgroup, key) → claim) is
+/// refused: one pod has one limit per GPU. Blocking (reads the cgroup tree).
+///
+/// # Errors
+/// A per-claim error naming the device and the reason.
+pub(crate) fn plan_memory(
+    setup: &MpsSetup,
+    claim_uid: &str,
+    pods: &[String],
+    devices: &[DeviceRecord],
+    taken: &BTreeMap<(PathBuf, String), String>,
+) -> Result<MemoryPlan, ClaimError> {
+    let mut out = MemoryPlan::default();
+    let mut sums: BTreeMap<(PathBuf, String), (String, u64)> = BTreeMap::new();
+    let root = &setup.config.cgroup_root;
+    for (i, d) in devices.iter().enumerate() {
+        let Some(share) = d.kind.mps() else { continue };
+        let Some(hard) = &share.hard_memory else {
+            continue;
+        };
+        if pods.len() != 1 {
+            let why = format!(
+                "the claim is reserved for {} pods ({pods:?}) at prepare: a hard memory limit is set on one pod's cgroup, so it cannot bound a share used by several pods (nor pods added later)",
+                pods.len()
+            );
+            if hard.demanded {
+                return Err(ClaimError::BadShare {
+                    device: d.device.clone(),
+                    reason: format!("opaque MpsConfig requires memoryLimit hard, but {why}"),
+                });
+            }
+            out.client.insert(i, why);
+            continue;
+        }
+        let cg = carve_mps::pod_cgroup(root, &pods[0]).ok_or_else(|| ClaimError::NoPodCgroup {
+            device: d.device.clone(),
+            pods: pods.to_vec(),
+            root: root.clone(),
+        })?;
+        let k = (cg.clone(), hard.key.clone());
+        if let Some(other) = taken.get(&k) {
+            return Err(ClaimError::BadShare {
+                device: d.device.clone(),
+                reason: format!(
+                    "pod cgroup {} already has a hard memory limit on this GPU ({}) for claim {other}; a pod has one limit per GPU, so two claims' MPS shares of one GPU in one pod cannot each be bounded",
+                    cg.display(),
+                    hard.key
+                ),
+            });
+        }
+        let e = sums.entry(k).or_insert((d.gpu_uuid.clone(), 0));
+        e.1 += share.limits.memory_limit_mib;
+        out.cgroups.insert(i, cg);
+    }
+    out.limits = sums
+        .into_iter()
+        .map(|((cgroup, key), (gpu_uuid, mib))| MemoryLimitRecord {
+            claim_uid: claim_uid.to_string(),
+            cgroup,
+            gpu_uuid,
+            key,
+            mib,
+        })
+        .collect();
+    Ok(out)
+}
+
+fn mem_err(device: &str) -> impl FnOnce(carve_mps::memlimit::MemLimitError) -> ClaimError + '_ {
+    move |source| ClaimError::MemoryLimit {
+        device: device.to_string(),
+        source: Box::new(source),
+    }
+}
+
+fn tool(setup: &MpsSetup) -> Option<carve_mps::memlimit::MemLimits> {
+    carve_mps::memlimit::MemLimits::of(
+        &setup.support,
+        &setup.config.cgroup_root,
+        setup.config.timeout,
+    )
+}
+
+/// Set `limits` (soft = hard, read back). On error the ones set so far (and
+/// the failing one) are cleared again.
+///
+/// # Errors
+/// The tool or the read-back failing, naming the device.
+pub(crate) fn set_memory(
     setup: &MpsSetup,
     device: &str,
-    pods: &[String],
-) -> Result<Option<PathBuf>, ClaimError> {
-    if setup.support.capabilities().memory_limit != carve_model::sharing::MemoryLimit::Hard {
-        return Ok(None);
+    limits: &[MemoryLimitRecord],
+) -> Result<(), ClaimError> {
+    if limits.is_empty() {
+        return Ok(());
     }
-    let root = &setup.config.cgroup_root;
-    for p in pods {
-        if let Some(c) = carve_mps::pod_cgroup(root, p) {
-            return Ok(Some(c));
+    let t = tool(setup).ok_or_else(|| {
+        ClaimError::Task(format!(
+            "device {device}: hard memory limits planned without a usable nvidia-smi"
+        ))
+    })?;
+    for (i, l) in limits.iter().enumerate() {
+        let g = carve_mps::memlimit::Gpu {
+            uuid: &l.gpu_uuid,
+            key: &l.key,
+        };
+        if let Err(e) = t.set(&g, &l.cgroup, l.mib) {
+            if let Err(ce) = clear_memory(setup, &limits[..=i]) {
+                tracing::error!(device, error = %ce, "clearing memory limits after a failed set");
+            }
+            return Err(mem_err(device)(e));
         }
     }
-    Err(ClaimError::NoPodCgroup {
-        device: device.to_string(),
-        pods: pods.to_vec(),
-        root: root.clone(),
-    })
+    Ok(())
+}
+
+/// Clear `limits` (soft 0, then hard max; read back). Tries every one.
+///
+/// # Errors
+/// The first failure, naming the cgroup.
+pub(crate) fn clear_memory(
+    setup: &MpsSetup,
+    limits: &[MemoryLimitRecord],
+) -> Result<(), ClaimError> {
+    let Some(t) = tool(setup) else {
+        return match limits.first() {
+            None => Ok(()),
+            Some(l) => Err(ClaimError::Task(format!(
+                "memory limit of GPU {} on cgroup {}: no usable nvidia-smi to clear it",
+                l.gpu_uuid,
+                l.cgroup.display()
+            ))),
+        };
+    };
+    let mut first = None;
+    for l in limits {
+        let g = carve_mps::memlimit::Gpu {
+            uuid: &l.gpu_uuid,
+            key: &l.key,
+        };
+        if let Err(e) = t.clear(&g, &l.cgroup) {
+            tracing::error!(cgroup = %l.cgroup.display(), gpu = %l.gpu_uuid, error = %e, "clearing a memory limit");
+            first.get_or_insert(mem_err(&l.claim_uid)(e));
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Whether `l` is no longer set: its cgroup is gone, or its `dmem.max` line
+/// is `max` and its `dmem.min` line `0` (read only).
+pub(crate) fn memory_cleared(root: &std::path::Path, l: &MemoryLimitRecord) -> bool {
+    let dir = root.join(&l.cgroup);
+    if !dir.is_dir() {
+        return true;
+    }
+    let val = |f: &str| {
+        std::fs::read_to_string(dir.join(f))
+            .ok()
+            .and_then(|t| carve_mps::memlimit::dmem_value(&t, &l.key).map(str::to_string))
+    };
+    val("dmem.max").as_deref() == Some("max") && val("dmem.min").as_deref() == Some("0")
 }
 
 /// Put a unit's device into `EXCLUSIVE_PROCESS` before its daemon starts;
@@ -118,8 +275,6 @@ pub(crate) struct AttachCtx<'a> {
     pub setup: &'a MpsSetup,
     pub backend: &'a dyn GpuBackend,
     pub claim_uid: &'a str,
-    /// Pod UIDs of the claim's `reservedFor`.
-    pub pods: &'a [String],
     /// PCI bus ids by GPU index.
     pub pci: &'a BTreeMap<u32, String>,
     /// Compute modes of whole GPUs, as prepare already read them.
@@ -173,7 +328,8 @@ fn attach_one(
             d.device
         ))
     })?;
-    let cgroup = resolve_cgroup(cx.setup, &d.device, cx.pods)?;
+    // The pod cgroup of a hard memory limit (set before the attach).
+    let cgroup = d.kind.mps().and_then(|s| s.cgroup.clone());
     let mut ctl = MpsControl::open(&cx.setup.config, &cx.setup.support, t.clone())
         .map_err(mps_err(&d.device))?;
     let known = match ct {

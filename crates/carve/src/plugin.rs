@@ -63,10 +63,15 @@ pub struct PluginArgs {
     /// a host path mounted at the same path in the plugin container.
     #[arg(long)]
     pub mps_dir: Option<PathBuf>,
-    /// The cgroup v2 mount, read to report the node's cgroup version and
-    /// `dmem` regions (carve binds no MPS share to a cgroup).
+    /// The cgroup v2 mount: its `dmem.capacity` says which GPUs have memory
+    /// partitioning, and hard MPS memory limits go on pod cgroups below it.
     #[arg(long, default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
+    /// `nvidia-smi`, through which hard MPS memory limits are set (`nvidia-smi
+    /// memory-limits`) on a whole GPU with memory partitioning (dmem). Unset:
+    /// no limits are set and MPS memory is published `client`.
+    #[arg(long)]
+    pub nvidia_smi: Option<PathBuf>,
     /// The `/dev/shm` of MPS daemons and their clients: `unit-tmpfs` (a tmpfs
     /// per shared GPU or MIG instance, the daemon's `/dev/shm` and bound at
     /// `/dev/shm` in every share's containers, as CUDA MPS clients need;
@@ -179,6 +184,7 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
         config.root.clone_from(d);
     }
     config.cgroup_root.clone_from(&args.cgroup_root);
+    config.nvidia_smi.clone_from(&args.nvidia_smi);
     // Daemons start through this binary, on their unit's tmpfs as /dev/shm.
     match args.mps_dev_shm {
         MpsDevShm::UnitTmpfs => {
@@ -206,6 +212,28 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
         "MPS support"
     );
     Ok(Some(carve_plugin::MpsSetup { config, support }))
+}
+
+/// Mark the GPUs whose whole-GPU MPS memory limit is `hard` (memory
+/// partitioning holds and carve can set and read it back), logging per GPU
+/// why or why not.
+fn mark_hard_memory(gpus: &mut [NodeGpu], m: &carve_plugin::MpsSetup) {
+    for g in gpus {
+        match carve_mps::memlimit::whole_gpu(
+            &m.support,
+            &m.config.cgroup_root,
+            g.gpu.pci_bus_id.as_deref(),
+        ) {
+            Ok(key) => {
+                tracing::info!(gpu.index = g.gpu.index, dmem = %key, "whole-GPU MPS memory limit: hard (memory partitioning set through nvidia-smi, read back from dmem.max)");
+                g.mps_memory_hard = true;
+            }
+            Err(why) => {
+                tracing::info!(gpu.index = g.gpu.index, reason = %why, "whole-GPU MPS memory limit: client");
+                g.mps_memory_hard = false;
+            }
+        }
+    }
 }
 
 /// Default and per-GPU MIG policies.
@@ -333,6 +361,7 @@ pub(crate) fn inventory(backend: &dyn GpuBackend, policy: &MigPolicy) -> anyhow:
             gpu: info.physical(spec),
             policy: slice_policy,
             mig_locked,
+            mps_memory_hard: false,
         });
     }
     Ok(Inventory { gpus })
@@ -417,7 +446,11 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
         if !args.sharing.is_empty() && version < KubeVersion::V1_36 {
             tracing::warn!(%version, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
         }
-        let build = Builder { gpus: inv.gpus.clone(), opts };
+        let mut gpus = inv.gpus.clone();
+        if let Some(m) = &mps {
+            mark_hard_memory(&mut gpus, m);
+        }
+        let build = Builder { gpus, opts };
         let desired = build.slices(version)?;
 
         let metrics = Arc::new(carve_metrics::Metrics::new());
@@ -665,6 +698,49 @@ pub(crate) fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_gpus_in_dmem_capacity_get_hard_memory_and_only_with_nvidia_smi() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("cg");
+        carve_mps::fake_smi::fixture::root(
+            &root,
+            &[("nvidia/0000:3b:00.0/vidmem".into(), 1 << 30)],
+            true,
+        )
+        .unwrap();
+        let mut config = carve_mps::MpsConfig::new(d.path());
+        config.control_binary = std::path::PathBuf::from("/bin/false");
+        config.protocol = carve_mps::ProtocolChoice::V2;
+        config.cgroup_root = root;
+        let node = |pci: [&str; 2]| -> Vec<NodeGpu> {
+            pci.iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let mut g =
+                        carve_model::slices::simulated_node("h100-80gb", 1).unwrap()[0].clone();
+                    g.index = u32::try_from(i).unwrap();
+                    g.pci_bus_id = Some((*p).to_string());
+                    NodeGpu::dynamic(g)
+                })
+                .collect()
+        };
+        let mark = |config: &carve_mps::MpsConfig| {
+            let support = carve_mps::detect(config).unwrap();
+            let m = carve_plugin::MpsSetup {
+                config: config.clone(),
+                support,
+            };
+            let mut gpus = node(["00000000:3B:00.0", "00000000:86:00.0"]);
+            mark_hard_memory(&mut gpus, &m);
+            gpus.iter().map(|g| g.mps_memory_hard).collect::<Vec<_>>()
+        };
+        assert_eq!(mark(&config), [false, false], "no --nvidia-smi");
+        config.nvidia_smi = Some(std::path::PathBuf::from("/bin/true"));
+        assert_eq!(mark(&config), [true, false], "GPU 1 not in dmem.capacity");
+        carve_mps::fake_smi::fixture::root_without_dmem(&config.cgroup_root).unwrap();
+        assert_eq!(mark(&config), [false, false], "misc backend: no dmem");
+    }
 
     #[test]
     fn mig_policy_parses_defaults_and_overrides() {

@@ -129,6 +129,16 @@ fn check_mps_share(
         "{}",
         ctx()
     );
+    // The simulated node has no memory partitioning: each share says why
+    // its memory limit is not hard.
+    if memory_level == "client" {
+        let why = line("memory not hard: ");
+        assert!(
+            why.contains("nvidia-smi") || why.contains("MIG"),
+            "{}",
+            ctx()
+        );
+    }
     assert!(
         b.iter()
             .any(|l| l.contains(&format!("daemon got: start pid={pid} protocol="))),

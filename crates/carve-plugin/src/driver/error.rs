@@ -92,6 +92,16 @@ pub enum ClaimError {
         /// The cgroup root searched.
         root: PathBuf,
     },
+    /// Setting, reading back or clearing a hard memory limit failed (the
+    /// error names the GPU, the cgroup and the tool's output).
+    #[error("device {device}: {source}")]
+    MemoryLimit {
+        /// Device (or, when clearing, the claim).
+        device: String,
+        /// What failed.
+        #[source]
+        source: Box<carve_mps::memlimit::MemLimitError>,
+    },
     /// The MPS control daemon refused or failed (the error names the unit,
     /// which is the device).
     #[error("{source}")]

@@ -27,6 +27,8 @@ pub(super) struct Neighbours {
     pub(super) shared: BTreeMap<String, DeviceRecord>,
     /// GPUs on which another claim holds a whole-GPU MPS share.
     pub(super) mps_on: BTreeSet<u32>,
+    /// Hard memory limits other claims hold: (pod cgroup, dmem key) → claim.
+    pub(super) memory: BTreeMap<(std::path::PathBuf, String), String>,
 }
 
 impl Neighbours {
@@ -39,9 +41,16 @@ impl Neighbours {
             .filter(|d| matches!(d.kind, PreparedKind::Mps { .. }))
             .map(|d| d.gpu_index)
             .collect();
+        let memory = st
+            .memory_limits_set_by_plugin
+            .iter()
+            .filter(|m| m.claim_uid != uid)
+            .map(|m| ((m.cgroup.clone(), m.key.clone()), m.claim_uid.clone()))
+            .collect();
         Self {
             shared: Driver::shared_units(st, uid),
             mps_on,
+            memory,
         }
     }
 
@@ -116,6 +125,54 @@ impl MpsJob {
         &self.claim_uid
     }
 
+    /// The hard memory limits of `records`' shares (read-only: resolves the
+    /// pod cgroup). Blocking.
+    pub(super) fn plan_memory(
+        &self,
+        records: &[DeviceRecord],
+        neighbours: &Neighbours,
+    ) -> Result<crate::mps::MemoryPlan, ClaimError> {
+        crate::mps::plan_memory(
+            &self.setup,
+            &self.claim_uid,
+            &self.pods,
+            records,
+            &neighbours.memory,
+        )
+    }
+
+    /// Set the planned limits on the records' pod cgroups; the records
+    /// learn their cgroups (or why they stay `client`). On error the limits
+    /// set are cleared. Blocking.
+    pub(super) fn set_memory(
+        &self,
+        plan: &crate::mps::MemoryPlan,
+        records: &mut [DeviceRecord],
+    ) -> Result<(), ClaimError> {
+        for (i, d) in records.iter_mut().enumerate() {
+            if let PreparedKind::Mps { share } = &mut d.kind {
+                if let Some(cg) = plan.cgroups.get(&i) {
+                    share.cgroup = Some(cg.clone());
+                } else if let Some(why) = plan.client.get(&i) {
+                    share.hard_memory = None;
+                    share.memory_client_why = Some(why.clone());
+                }
+            }
+        }
+        let device = records
+            .iter()
+            .find(|d| d.kind.mps().is_some_and(|s| s.cgroup.is_some()))
+            .map_or_else(String::new, |d| d.device.clone());
+        crate::mps::set_memory(&self.setup, &device, &plan.limits)
+    }
+
+    /// Clear the planned limits again (a later prepare step failed). Blocking.
+    pub(super) fn clear_memory(&self, plan: &crate::mps::MemoryPlan) {
+        if let Err(e) = crate::mps::clear_memory(&self.setup, &plan.limits) {
+            tracing::error!(claim.uid = %self.claim_uid, error = %e, "clearing memory limits after a failed prepare");
+        }
+    }
+
     /// The compute modes of the GPUs that whole-GPU MPS shares among
     /// `records` are on. Blocking.
     pub(super) fn compute_modes(
@@ -148,7 +205,6 @@ impl MpsJob {
             setup: &self.setup,
             backend: b,
             claim_uid: &self.claim_uid,
-            pods: &self.pods,
             pci: &self.pci,
             gpu_modes: modes,
         };
@@ -255,6 +311,7 @@ impl Driver {
             }
             return Ok(());
         };
+        self.clear_stale_memory(&setup, body, report).await?;
         let keep = kept_units(body, &self.pci_map());
         let uuids: BTreeMap<u32, String> = self
             .gpus
@@ -282,6 +339,46 @@ impl Driver {
         report.mps_failed = r.failed;
         self.restore_compute_modes(body, live, report).await?;
         self.record_mps(body);
+        Ok(())
+    }
+
+    /// Hard memory limits recorded for claims that are not kept (a crash
+    /// between the intent and the claim's completion, or during its
+    /// unprepare): cleared through the tool and forgotten; one whose clear
+    /// fails stays recorded (logged, retried at the next start).
+    async fn clear_stale_memory(
+        &self,
+        setup: &MpsSetup,
+        body: &mut CheckpointBody,
+        report: &mut RecoveryReport,
+    ) -> Result<(), PluginError> {
+        let stale: Vec<_> = body
+            .memory_limits_set_by_plugin
+            .iter()
+            .filter(|m| !body.claims.contains_key(&m.claim_uid))
+            .cloned()
+            .collect();
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let s2 = setup.clone();
+        let cleared = blocking(move || {
+            stale
+                .into_iter()
+                .filter(|m| crate::mps::clear_memory(&s2, std::slice::from_ref(m)).is_ok())
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|reason| PluginError::Task {
+            what: "MPS recovery",
+            reason,
+        })?;
+        for m in &cleared {
+            body.memory_limits_set_by_plugin.remove(m);
+            report
+                .memory_limits_cleared
+                .push(format!("{} {}", m.cgroup.display(), m.key));
+        }
         Ok(())
     }
 

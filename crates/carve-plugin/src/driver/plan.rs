@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClai
 
 use super::{ClaimError, Gpu};
 use crate::checkpoint::{
-    CheckpointBody, ClaimRecord, ClaimState, DeviceRecord, MpsShare, PreparedKind,
+    CheckpointBody, ClaimRecord, ClaimState, DeviceRecord, HardMemory, MpsShare, PreparedKind,
 };
 use crate::claim::ClaimRef;
 use crate::config::{
@@ -291,21 +291,35 @@ fn plan_share(
             reason: "the allocation result has no consumedCapacity, so the share has no memory or SM limit (the scheduler records it with DRAConsumableCapacity enabled; an API server with that feature gate off drops it from the claim: enable it on kube-apiserver)".into(),
         });
     };
-    let caps = setup.support.capabilities();
+    let mig = name.mig_placement().is_some();
+    let root = &setup.config.cgroup_root;
+    let hard = if mig {
+        Err(carve_mps::memlimit::NotHard::Mig)
+    } else {
+        carve_mps::memlimit::whole_gpu(&setup.support, root, Some(&gpu.info.pci_bus_id))
+    };
+    let caps = setup
+        .support
+        .capabilities_of(root, Some(&gpu.info.pci_bus_id), mig);
     let need = effective_mps(configs, &r.request, &r.device, true)?;
     if let Some(m) = need.memory_limit
         && caps.memory_limit < m
     {
+        let why = hard
+            .as_ref()
+            .err()
+            .map_or_else(String::new, ToString::to_string);
         return Err(ClaimError::BadShare {
             device: device(),
             reason: format!(
-                "opaque MpsConfig requires memoryLimit {}, this node enforces {}: {}",
+                "opaque MpsConfig requires memoryLimit {}, this device enforces {}: {why}; {}",
                 m.as_str(),
                 caps.memory_limit.as_str(),
                 carve_mps::detect::WHY_MEMORY_IS_CLIENT
             ),
         });
     }
+    let demanded = need.memory_limit == Some(carve_model::sharing::MemoryLimit::Hard);
     if let Some(c) = need.compute_limit
         && caps.compute_limit < c
     {
@@ -328,11 +342,17 @@ fn plan_share(
     }
     .map_err(sharing_err)?;
     let limits = translate(consumed, &spec).map_err(sharing_err)?;
+    let (hard_memory, memory_client_why) = match hard {
+        Ok(key) => (Some(HardMemory { key, demanded }), None),
+        Err(why) => (None, Some(why.to_string())),
+    };
     Ok(MpsShare {
         unit: r.device.clone(),
         limits,
         cgroup: None,
         edits: None,
+        hard_memory,
+        memory_client_why,
     })
 }
 

@@ -212,6 +212,7 @@ impl Driver {
         let before = (
             st.mig_enabled_by_plugin.clone(),
             st.compute_mode_set_by_plugin.clone(),
+            st.memory_limits_set_by_plugin.clone(),
         );
         for g in &d.mig.enable {
             st.mig_enabled_by_plugin
@@ -222,12 +223,23 @@ impl Driver {
         }
         st.compute_mode_set_by_plugin
             .extend(d.compute_mode_intent.iter().cloned());
-        if (&st.mig_enabled_by_plugin, &st.compute_mode_set_by_plugin) == (&before.0, &before.1) {
+        st.memory_limits_set_by_plugin
+            .extend(d.memory.limits.iter().cloned());
+        if (
+            &st.mig_enabled_by_plugin,
+            &st.compute_mode_set_by_plugin,
+            &st.memory_limits_set_by_plugin,
+        ) == (&before.0, &before.1, &before.2)
+        {
             return Ok(());
         }
         if let Err(e) = self.persist(&st).await {
             st.claims.remove(&claim.uid);
-            (st.mig_enabled_by_plugin, st.compute_mode_set_by_plugin) = before;
+            (
+                st.mig_enabled_by_plugin,
+                st.compute_mode_set_by_plugin,
+                st.memory_limits_set_by_plugin,
+            ) = before;
             return Err(e.into());
         }
         Ok(())
@@ -298,10 +310,16 @@ impl Driver {
         let setup = self.config.mps.clone();
         let uid = claim.uid.clone();
         let pci = self.pci_map();
-        let (keep, compute_set) = {
+        let (keep, compute_set, memory) = {
             let st = self.state.lock().await;
             let keep: BTreeSet<String> = Self::shared_units(&st, &claim.uid).into_keys().collect();
-            (keep, st.compute_mode_set_by_plugin.clone())
+            let memory: Vec<_> = st
+                .memory_limits_set_by_plugin
+                .iter()
+                .filter(|m| m.claim_uid == claim.uid)
+                .cloned()
+                .collect();
+            (keep, st.compute_mode_set_by_plugin.clone(), memory)
         };
         let gauges = self.instance_gauges(devs.iter().map(|d| d.gpu_index));
         let undone = self
@@ -309,7 +327,8 @@ impl Driver {
                 let r = setup
                     .as_ref()
                     .map_or(Ok(Vec::new()), |setup| {
-                        crate::mps::detach(setup, &*b, &uid, &devs, &compute_set, &pci)
+                        let r = crate::mps::detach(setup, &*b, &uid, &devs, &compute_set, &pci);
+                        crate::mps::clear_memory(setup, &memory).and(r)
                     })
                     .and_then(|_| destroy_devices(&*b, retry, &devs, &keep));
                 if let Some(g) = &gauges {
@@ -359,11 +378,16 @@ struct Decision {
     /// `EXCLUSIVE_PROCESS` yet: carve sets it, so it records them first (a
     /// crash in between still restores them).
     compute_mode_intent: Vec<String>,
+    /// Hard memory limits to set on pod cgroups: recorded first, so that
+    /// recovery clears them after a crash before the claim completed.
+    memory: crate::mps::MemoryPlan,
 }
 
 impl Decision {
     fn changes_node_state(&self) -> bool {
-        !self.mig.is_empty() || !self.compute_mode_intent.is_empty()
+        !self.mig.is_empty()
+            || !self.compute_mode_intent.is_empty()
+            || !self.memory.limits.is_empty()
     }
 }
 
@@ -433,11 +457,16 @@ impl HardwareJob {
             })
             .map(|(g, _)| self.gpus[g].info.uuid.clone())
             .collect();
+        let memory = match &self.mps {
+            Some(m) => m.plan_memory(&self.records, &self.neighbours)?,
+            None => crate::mps::MemoryPlan::default(),
+        };
         Ok(Decision {
             live: reads.live,
             modes,
             mig,
             compute_mode_intent,
+            memory,
         })
     }
 
@@ -525,7 +554,16 @@ impl HardwareJob {
                 compute_mode_set: Vec::new(),
             });
         };
-        match mps.attach(b, &mut records, &decision.modes) {
+        // The pod is bounded before any of its shares reaches a daemon.
+        let attached = mps
+            .set_memory(&decision.memory, &mut records)
+            .and_then(|()| {
+                mps.attach(b, &mut records, &decision.modes)
+                    .inspect_err(|_| {
+                        mps.clear_memory(&decision.memory);
+                    })
+            });
+        match attached {
             Ok(compute_mode_set) => Ok(Made {
                 records,
                 compute_mode_set,

@@ -52,6 +52,8 @@ pub struct RecoveryReport {
     /// MPS units of kept claims that could not be restored, with why; the
     /// plugin starts anyway and supervision keeps trying.
     pub mps_failed: Vec<(String, String)>,
+    /// Hard memory limits of claims not kept, cleared (`<cgroup> <dmem key>`).
+    pub memory_limits_cleared: Vec<String>,
     /// Devices whose compute mode was set back to `DEFAULT`.
     pub compute_mode_restored: Vec<String>,
 }
@@ -167,8 +169,10 @@ impl Driver {
                     boot_id: self.boot_id.clone(),
                     mig_enabled_by_plugin: c.body.mig_enabled_by_plugin,
                     claims: BTreeMap::new(),
-                    // Compute modes do not survive a reboot.
+                    // Compute modes do not survive a reboot, nor do the pod
+                    // cgroups that held memory limits.
                     compute_mode_set_by_plugin: BTreeSet::new(),
+                    memory_limits_set_by_plugin: BTreeSet::new(),
                 };
                 return Ok((body, false));
             }

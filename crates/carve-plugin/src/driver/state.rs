@@ -242,6 +242,13 @@ impl Driver {
         let mut st = self.state.lock().await;
         st.claims.remove(&claim.uid);
         prune_compute_modes(&mut st);
+        // Limits the rollback cleared are forgotten; one still set (its
+        // clear failed) stays recorded for recovery to clear.
+        if let Some(m) = &self.config.mps {
+            let root = m.config.cgroup_root.clone();
+            st.memory_limits_set_by_plugin
+                .retain(|l| l.claim_uid != claim.uid || !crate::mps::memory_cleared(&root, l));
+        }
         if let Err(e) = self.persist(&st).await {
             tracing::error!(claim.uid = %claim.uid, error = %e, "checkpoint after rollback");
         }

@@ -144,7 +144,14 @@ impl Driver {
                 "memoryLimitMiB": share.limits.memory_limit_mib,
                 "multiprocessors": share.limits.multiprocessors,
                 "activeThreadPercentage": share.limits.active_thread_percentage,
-                "memoryLimit": mps_caps.map(|c| c.memory_limit.as_str()),
+                // Per share: hard only where carve set the pod cgroup's
+                // limit (memory partitioning), else the client's, with why.
+                "memoryLimit": if share.hard_memory.is_some() && share.cgroup.is_some() {
+                    Some("hard")
+                } else {
+                    mps_caps.map(|c| c.memory_limit.as_str())
+                },
+                "memoryLimitWhy": share.memory_client_why,
                 "computeLimit": mps_caps.map(|c| c.compute_limit.as_str()),
                 "cgroup": share.cgroup,
             });

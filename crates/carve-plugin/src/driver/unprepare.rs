@@ -94,10 +94,16 @@ impl Driver {
         rec: &ClaimRecord,
         gpu_ids: &BTreeSet<u32>,
     ) -> Result<Vec<String>, ClaimError> {
-        let (keep, compute_set) = {
+        let (keep, compute_set, memory) = {
             let st = self.state.lock().await;
             let keep: BTreeSet<String> = Self::shared_units(&st, &rec.uid).into_keys().collect();
-            (keep, st.compute_mode_set_by_plugin.clone())
+            let memory: Vec<_> = st
+                .memory_limits_set_by_plugin
+                .iter()
+                .filter(|m| m.claim_uid == rec.uid)
+                .cloned()
+                .collect();
+            (keep, st.compute_mode_set_by_plugin.clone(), memory)
         };
         let setup = self.mps_setup(&rec.devices)?;
         let b = self.backend.clone();
@@ -108,7 +114,12 @@ impl Driver {
         blocking(move || -> Result<Vec<String>, ClaimError> {
             let restored = match &setup {
                 Some(setup) => {
-                    crate::mps::detach(setup, &*b, &rec.uid, &rec.devices, &compute_set, &pci)?
+                    let r =
+                        crate::mps::detach(setup, &*b, &rec.uid, &rec.devices, &compute_set, &pci)?;
+                    // Soft 0 and hard max on the pod cgroup, read back,
+                    // before the kubelet removes the cgroup.
+                    crate::mps::clear_memory(setup, &memory)?;
+                    r
                 }
                 None => Vec::new(),
             };
@@ -137,6 +148,8 @@ impl Driver {
     ) -> Result<Vec<u32>, ClaimError> {
         let mut st = self.state.lock().await;
         st.claims.remove(uid);
+        st.memory_limits_set_by_plugin
+            .retain(|m| m.claim_uid != uid);
         for u in restored {
             st.compute_mode_set_by_plugin.remove(u);
         }

@@ -87,7 +87,7 @@ const EXPLAIN_LINES: usize = 8;
 /// the result they show, not a failure of the run.
 const STAYS_PENDING: &[(&str, &str)] = &[(
     "examples/mps-hard-limit/claim.yaml",
-    "no carve device publishes mpsMemoryLimit hard, so a claim that demands it stays pending",
+    "the simulated node has no memory partitioning (its cgroup tree has no dmem controller and no nvidia-smi is configured), so no device publishes mpsMemoryLimit hard and a claim that demands it stays pending",
 )];
 
 const EXAMPLES: &[(&str, &str)] = &[

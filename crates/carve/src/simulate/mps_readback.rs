@@ -58,6 +58,8 @@ pub(super) struct StatusShare {
     pub(super) compute_limit: Option<String>,
     /// The pod cgroup the share is bound to, relative to the cgroup root.
     pub(super) cgroup: Option<String>,
+    /// Why the plugin left the memory limit `client` on this share.
+    pub(super) memory_why: Option<String>,
 }
 
 impl StatusShare {
@@ -83,6 +85,7 @@ impl StatusShare {
             memory_limit: text("memoryLimit"),
             compute_limit: text("computeLimit"),
             cgroup: text("cgroup"),
+            memory_why: text("memoryLimitWhy"),
         })
     }
 }

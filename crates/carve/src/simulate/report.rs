@@ -278,6 +278,9 @@ pub(super) fn mps_text(node: &Node, p: &Prepared, m: &MpsShare) -> String {
             st.compute_limit.as_deref().unwrap_or("?"),
             compute_why(st.compute_limit.as_deref()),
         );
+        if let Some(w) = &st.memory_why {
+            let _ = write!(out, "\n      memory not hard: {w}");
+        }
     }
     for l in &m.received {
         let _ = write!(out, "\n      daemon got: {l}");
@@ -289,12 +292,14 @@ pub(super) fn mps_text(node: &Node, p: &Prepared, m: &MpsShare) -> String {
 pub(super) fn memory_why(level: Option<&str>, v3: bool) -> &'static str {
     match (level, v3) {
         (Some("client"), true) => {
-            "the namespace's pinned limit, applied by the CUDA client; a tenant can escape it, and no memory partitioning is set up"
+            "the namespace's pinned limit, applied by the CUDA client; a tenant can escape it"
         }
         (Some("client"), false) => {
             "the CUDA_MPS_PINNED_DEVICE_MEM_LIMIT variable, which the workload can change"
         }
-        (Some("hard"), _) => "memory partitioning on the pod's cgroup",
+        (Some("hard"), _) => {
+            "memory partitioning: soft = hard limit on the pod's cgroup, set through nvidia-smi memory-limits and read back from its dmem.max; allocations past it fail, though cudaMemGetInfo in the container still reports the whole GPU"
+        }
         _ => "unknown level",
     }
 }

@@ -21,6 +21,7 @@ mod csvout;
 pub mod error;
 pub mod live_order;
 pub mod mapping;
+pub mod online;
 pub mod optimum;
 pub mod rng;
 pub mod sim;
@@ -33,6 +34,7 @@ pub use bench::{
 pub use churn::{ChurnConfig, ChurnReport, ChurnRow, run_churn};
 pub use error::FragError;
 pub use mapping::{Demand, InternalFrag, Mapper};
+pub use online::OnlineOptimum;
 pub use optimum::{NodeOptimum, NodeReference, NodeShape};
 pub use sim::{FailCause, Policy, Scoring, Totals};
 pub use suite::{

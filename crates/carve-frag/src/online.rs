@@ -117,6 +117,15 @@ pub struct OnlineOptimum {
     /// GPU states seen so far; index 0 = empty.
     gpus: Vec<Gpu>,
     index: HashMap<Gpu, u8>,
+    /// Permutations of the memory slices that map every tracked profile's
+    /// placements onto themselves (the identity first): GPU states one of
+    /// them maps onto each other have the same futures.
+    automorphisms: Vec<Vec<u8>>,
+    /// Per free mask: the most compute disjoint placements could still take
+    /// there.
+    max_fit: Vec<u8>,
+    /// Off only in tests, to check the canonical form against raw states.
+    canonicalise: bool,
     /// `succ[(gpu index, profile)]`: GPU-state indices after each fitting
     /// placement of the profile.
     succ: HashMap<(u8, usize), Vec<u8>>,
@@ -210,6 +219,11 @@ impl OnlineOptimum {
             kinds[k].p += w;
         }
         let empty = Gpu { used: 0, mask: 0 };
+        let automorphisms = automorphisms(spec.memory_slices, &placements);
+        let full = mask(0, spec.memory_slices);
+        let max_fit = (0..=full)
+            .map(|free| max_fit(&placements, free, spec.compute_slices))
+            .collect();
         Ok(Self {
             shape: shape.clone(),
             capacity: shape.gpus * u32::from(spec.compute_slices),
@@ -219,6 +233,9 @@ impl OnlineOptimum {
             full_mask: mask(0, spec.memory_slices),
             gpus: vec![empty],
             index: HashMap::from([(empty, 0)]),
+            automorphisms,
+            max_fit,
+            canonicalise: true,
             succ: HashMap::new(),
             memo: Memo::default(),
             max_states: DEFAULT_MAX_STATES,
@@ -259,7 +276,35 @@ impl OnlineOptimum {
         0 // every GPU at index 0 (empty)
     }
 
+    /// The canonical form of a GPU state: remaining compute capped at what
+    /// the free slices could still take (beyond that it never binds), a
+    /// state where nothing fits any more as the full GPU, and the smallest
+    /// mask among its images under the automorphisms. Exact: each step maps
+    /// a state onto one with the same feasible futures.
+    fn canonical(&self, g: Gpu) -> Gpu {
+        if !self.canonicalise {
+            return g;
+        }
+        let free = self.full_mask & !g.mask;
+        let fit = self.max_fit[free as usize];
+        if fit == 0 {
+            return Gpu {
+                used: self.compute,
+                mask: self.full_mask,
+            };
+        }
+        let used = g.used.max(self.compute - fit);
+        let mask = self
+            .automorphisms
+            .iter()
+            .map(|perm| permute(g.mask, perm))
+            .min()
+            .unwrap_or(g.mask);
+        Gpu { used, mask }
+    }
+
     fn gpu_index(&mut self, g: Gpu) -> Result<u8, FragError> {
+        let g = self.canonical(g);
         if let Some(&i) = self.index.get(&g) {
             return Ok(i);
         }
@@ -502,8 +547,204 @@ impl OnlineOptimum {
     }
 }
 
+/// The optimal online policy beside the clairvoyant optimum, on the
+/// per-node reference's own sequences.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OnlineFigures {
+    /// The exact expected accepted compute slices of the optimal online
+    /// policy for this shape; `None` when the DP was out of reach (then see
+    /// [`OnlineFigures::unsolved`]).
+    pub expected: Option<f64>,
+    /// Per sequence: what the policy accepted. When `expected` is `None` on
+    /// a limited shape: the policy of the geometry-only DP of the same GPU
+    /// count run under the shape's CPU/RAM, an online policy and so a lower
+    /// bound of this shape's online optimum, not the optimum.
+    pub accepted: Vec<u32>,
+    /// Memo states of the DP whose policy ran.
+    pub states: usize,
+    /// Why this shape's own DP was not solved, if it was not.
+    pub unsolved: Option<String>,
+}
+
+impl OnlineFigures {
+    /// Whether [`OnlineFigures::accepted`] is the optimal online policy of
+    /// the shape (not a lower bound).
+    #[must_use]
+    pub fn exact(&self) -> bool {
+        self.expected.is_some()
+    }
+}
+
+/// The state budget of the exact DP of a shape with CPU/RAM limits inside
+/// [`online_figures`]: the used CPU and RAM are sums over the tasks placed
+/// so far, so the states multiply with every task; a budget larger than
+/// this only delays the refusal.
+pub const LIMITED_MAX_STATES: usize = 2_000_000;
+
+/// The online optimum of `shape` on the sequences `seqs` (drawn by the
+/// reference): this shape's own DP within `max_states`; on a limited shape
+/// whose DP is out of reach, the geometry-only DP's policy under the
+/// shape's CPU/RAM. `None` when the shape has more than `max_gpus` GPUs or
+/// no DP of it finished within the budget.
+///
+/// # Errors
+/// As [`OnlineOptimum::new`].
+pub(crate) fn online_figures(
+    spec: &GpuSpec,
+    profiles: &[usize],
+    demands: &[Demand],
+    shape: &NodeShape,
+    seqs: &[Vec<u32>],
+    max_gpus: u32,
+    max_states: usize,
+) -> Result<Option<OnlineFigures>, FragError> {
+    if shape.gpus > max_gpus {
+        return Ok(None);
+    }
+    let run = |dp: &mut OnlineOptimum| -> Result<Vec<u32>, FragError> {
+        seqs.iter()
+            .map(|q| dp.simulate(shape, demands, q))
+            .collect()
+    };
+    let own_budget = if shape.cpu_milli.is_some() || shape.memory_mib.is_some() {
+        max_states.min(LIMITED_MAX_STATES)
+    } else {
+        max_states
+    };
+    let mut own = OnlineOptimum::new(spec, profiles, demands, shape)?.with_max_states(own_budget);
+    let unsolved = match own.solve() {
+        Ok(v) => {
+            let accepted = run(&mut own)?;
+            return Ok(Some(OnlineFigures {
+                expected: Some(v),
+                accepted,
+                states: own.states(),
+                unsolved: None,
+            }));
+        }
+        Err(e) => e.to_string(),
+    };
+    drop(own);
+    let geometry = NodeShape::geometry(shape.gpus);
+    if geometry == *shape {
+        return Ok(Some(OnlineFigures {
+            expected: None,
+            accepted: Vec::new(),
+            states: 0,
+            unsolved: Some(unsolved),
+        }));
+    }
+    let mut g = OnlineOptimum::new(spec, profiles, demands, &geometry)?.with_max_states(max_states);
+    if g.solve().is_err() {
+        return Ok(Some(OnlineFigures {
+            expected: None,
+            accepted: Vec::new(),
+            states: 0,
+            unsolved: Some(unsolved),
+        }));
+    }
+    let accepted = run(&mut g)?;
+    Ok(Some(OnlineFigures {
+        expected: None,
+        accepted,
+        states: g.states(),
+        unsolved: Some(unsolved),
+    }))
+}
+
+/// Mean and standard error of the mean of `xs`.
+#[must_use]
+pub fn mean_se(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    if xs.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let m = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (m, f64::NAN);
+    }
+    let var = xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1.0);
+    (m, (var / n).sqrt())
+}
+
 fn mask(start: u8, size: u8) -> u16 {
     (((1u32 << size) - 1) << start) as u16
+}
+
+fn permute(m: u16, perm: &[u8]) -> u16 {
+    perm.iter()
+        .enumerate()
+        .filter(|&(i, _)| m >> i & 1 == 1)
+        .fold(0, |acc, (_, &j)| acc | 1 << j)
+}
+
+/// Every permutation of `n` memory slices (none past 8: the identity only)
+/// that maps each profile's set of placement masks onto itself.
+fn automorphisms(n: u8, placements: &[Vec<(u16, u8)>]) -> Vec<Vec<u8>> {
+    let identity: Vec<u8> = (0..n).collect();
+    if n > 8 {
+        return vec![identity];
+    }
+    let sets: Vec<Vec<u16>> = placements
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let mut v: Vec<u16> = p.iter().map(|&(m, _)| m).collect();
+            v.sort_unstable();
+            v
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut perm = identity.clone();
+    // Heap's algorithm over every permutation.
+    fn heap(k: usize, perm: &mut Vec<u8>, sets: &[Vec<u16>], out: &mut Vec<Vec<u8>>) {
+        if k <= 1 {
+            let ok = sets.iter().all(|set| {
+                let mut img: Vec<u16> = set.iter().map(|&m| permute(m, perm)).collect();
+                img.sort_unstable();
+                img == *set
+            });
+            if ok {
+                out.push(perm.clone());
+            }
+            return;
+        }
+        for i in 0..k {
+            heap(k - 1, perm, sets, out);
+            let j = if k % 2 == 0 { i } else { 0 };
+            perm.swap(j, k - 1);
+        }
+    }
+    heap(n as usize, &mut perm, &sets, &mut out);
+    // The identity first (it is always there).
+    out.retain(|p| *p != identity);
+    out.insert(0, identity);
+    out
+}
+
+/// The most compute disjoint placements within the free slices `free`
+/// could take, at most `compute`.
+fn max_fit(placements: &[Vec<(u16, u8)>], free: u16, compute: u8) -> u8 {
+    let all: Vec<(u16, u8)> = placements
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|&(m, _)| m & !free == 0)
+        .collect();
+    fn go(all: &[(u16, u8)], used: u16) -> u32 {
+        match all.split_first() {
+            None => 0,
+            Some((&(m, c), rest)) => {
+                let skip = go(rest, used);
+                if m & used == 0 {
+                    skip.max(u32::from(c) + go(rest, used | m))
+                } else {
+                    skip
+                }
+            }
+        }
+    }
+    go(&all, 0).min(u32::from(compute)) as u8
 }
 
 #[cfg(test)]
@@ -734,6 +975,51 @@ mod tests {
             }
         }
         acc
+    }
+
+    /// The H100's placement structure has 16 automorphisms (swap slices 0
+    /// and 1, 2 and 3, 4 and 5, the pairs {0,1} and {2,3}), and the 153
+    /// reachable GPU states fall into fewer canonical ones; a 1g at slice 0
+    /// or 1 is the same state, one at slice 6 is not.
+    #[test]
+    fn gpu_states_are_canonical_under_the_placement_symmetries() {
+        let s = h100();
+        let d = [task(&s, "1g.10gb", 1, 1)];
+        let o = dp(&s, &d, &NodeShape::geometry(1));
+        assert_eq!(o.automorphisms.len(), 16);
+        let g = |used, mask| o.canonical(Gpu { used, mask });
+        assert_eq!(g(1, 0b1), g(1, 0b10));
+        assert_eq!(g(1, 0b1), g(1, 0b1000));
+        assert_ne!(g(1, 0b1), g(1, 0b100_0000));
+        // 3g or 4g at slice 0: slices 4..8 can take 3 more slices either way.
+        assert_eq!(g(3, 0x0F), g(4, 0x0F));
+        // 3g + 3g and 7 × 1g: nothing fits any more.
+        assert_eq!(g(6, 0xFF), g(7, 0x7F));
+        assert_eq!(max_fit(&o.placements, 0xF0, 7), 3);
+        assert_eq!(max_fit(&o.placements, 0xFF, 7), 7);
+    }
+
+    /// The canonical form changes no value: raw GPU states give the same
+    /// expectations on random small distributions, with more states.
+    #[test]
+    fn the_canonical_form_is_exact() {
+        let s = h100();
+        let names = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"];
+        let mut rng = SplitMix64::new(5);
+        for case in 0..12 {
+            let gpus = 1 + (case % 2) as u32;
+            let d: Vec<Demand> = (0..4)
+                .map(|_| task(&s, names[rng.below(5) as usize], 1, 1))
+                .chain([task(&s, "7g.80gb", 2, 1)])
+                .collect();
+            let shape = NodeShape::geometry(gpus);
+            let mut a = dp(&s, &d, &shape);
+            let mut b = dp(&s, &d, &shape);
+            b.canonicalise = false;
+            let (va, vb) = (a.solve().unwrap(), b.solve().unwrap());
+            assert!((va - vb).abs() < 1e-9, "case {case}: {va} vs {vb}");
+            assert!(a.states() <= b.states());
+        }
     }
 
     /// On a limited shape the CPU counts: a 1g taking 8 of 10 cores or a

@@ -63,6 +63,12 @@ pub struct SuiteConfig {
     pub nodes_to_score_pct: u32,
     /// Worker threads; 0 = available parallelism.
     pub threads: usize,
+    /// The optimal online policy by exact DP ([`crate::online`]) beside the
+    /// per-node reference, on node shapes of at most this many GPUs; 0 =
+    /// skip.
+    pub online_max_gpus: u32,
+    /// State budget of each DP; a shape past it is reported out of reach.
+    pub online_max_states: usize,
 }
 
 impl SuiteConfig {
@@ -83,6 +89,8 @@ impl SuiteConfig {
             sample_nodes_pct: None,
             nodes_to_score_pct: 0,
             threads: 0,
+            online_max_gpus: 4,
+            online_max_states: crate::online::DEFAULT_MAX_STATES,
         }
     }
 
@@ -259,6 +267,8 @@ pub fn run_suite(cfg: &SuiteConfig) -> Result<SuiteReport, FragError> {
                     &shapes[k],
                     &cfg.policies,
                     &cfg.node_seeds,
+                    (cfg.online_max_gpus > 0)
+                        .then_some((cfg.online_max_gpus, cfg.online_max_states)),
                 )
             });
             for r in refs {
@@ -383,6 +393,71 @@ impl SuiteReport {
     }
 }
 
+fn pm((m, se): (f64, f64)) -> String {
+    format!("{m:.2}±{se:.2}")
+}
+
+impl SuiteReport {
+    fn fmt_online(&self, f: &mut fmt::Formatter<'_>, pols: &[Policy]) -> fmt::Result {
+        writeln!(
+            f,
+            "\nOnline optimum (exact DP, `carve_frag::online`): the best any policy that knows only the present occupancy and the task distribution can expect (a device order, static or state-aware, is such a policy; the optimum above is clairvoyant: it knows the whole sequence). Same model, distribution and stopping rule as the reference. acc% = accepted compute, % of the node: clairvoyant mean ± standard error over the same sequences; E[online] = the DP's exact expectation; online = its policy on the sequences. gap = clairvoyant − online on each sequence (points, mean ± s.e.). Policy cells: online − policy on each sequence (points, mean ± s.e.): the part of a policy's gap that an online policy could close."
+        )?;
+        write!(
+            f,
+            "  {:<12} {:<26} {:>10} {:>12} {:>9} {:>12} {:>11}",
+            "trace", "node shape", "states", "clairv acc%", "E[online]", "online acc%", "gap"
+        )?;
+        for p in pols {
+            write!(f, " {:>17}", p.label())?;
+        }
+        writeln!(f)?;
+        for (trace, r) in &self.nodes {
+            let Some(o) = &r.online else { continue };
+            let exact = r
+                .online_expected_pct()
+                .map_or_else(|| "-".to_string(), |e| format!("{e:.2}"));
+            let cells = if o.accepted.is_empty() {
+                ("-".to_string(), "-".to_string())
+            } else {
+                (
+                    r.accepted_pct(None).map_or("-".into(), pm),
+                    r.clairvoyant_gap(None).map_or("-".into(), pm),
+                )
+            };
+            let mark = if o.exact() || o.accepted.is_empty() {
+                ""
+            } else {
+                " (lb)"
+            };
+            write!(
+                f,
+                "  {:<12} {:<26} {:>10} {:>12} {:>9} {:>12} {:>11}",
+                trace,
+                r.shape.label,
+                o.states,
+                pm(r.optimum_accepted_pct()),
+                exact,
+                format!("{}{mark}", cells.0),
+                cells.1
+            )?;
+            for &p in pols {
+                write!(f, " {:>17}", r.online_gap(p).map_or("-".into(), pm))?;
+            }
+            writeln!(f)?;
+        }
+        for (trace, r) in &self.nodes {
+            if let Some(why) = r.online.as_ref().and_then(|o| o.unsolved.as_ref()) {
+                writeln!(f, "  {trace} {}: exact DP not solved: {why}", r.shape.label)?;
+            }
+        }
+        writeln!(
+            f,
+            "  (lb): this limited shape's own DP (its used CPU/RAM in the state) was out of reach; the row runs the geometry-only DP's policy under the shape's CPU/RAM, an online policy: a lower bound of the online optimum, so its gap is an upper bound of the online optimum's."
+        )
+    }
+}
+
 fn seeds_text(s: &[u64]) -> String {
     match (s.first(), s.last()) {
         (Some(a), Some(b)) if s.len() > 1 && (b - a + 1) as usize == s.len() => {
@@ -463,6 +538,9 @@ impl fmt::Display for SuiteReport {
                 f,
                 "  sequences where a policy beat the optimum: {v} (must be 0); largest search: {states} memo states"
             )?;
+        }
+        if self.nodes.iter().any(|(_, r)| r.online.is_some()) {
+            self.fmt_online(f, &pols)?;
         }
         if !self.runs.is_empty() {
             writeln!(

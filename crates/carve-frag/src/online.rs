@@ -96,9 +96,9 @@ type Memo = HashMap<Key, f64, BuildHasherDefault<KeyHasher>>;
 /// 8 bits each)`.
 type Key = (u16, u64, u64, u128);
 
-/// The default state budget of [`OnlineOptimum::solve`]: about 2 GiB of memo
+/// The default state budget of [`OnlineOptimum::solve`]: about 1 GiB of memo
 /// at most.
-pub const DEFAULT_MAX_STATES: usize = 40_000_000;
+pub const DEFAULT_MAX_STATES: usize = 10_000_000;
 
 /// The deepest recursion [`OnlineOptimum::solve`] goes (tasks of one
 /// sequence), so that it stays within a worker thread's stack.
@@ -254,6 +254,19 @@ impl OnlineOptimum {
     #[must_use]
     pub fn capacity(&self) -> u32 {
         self.capacity
+    }
+
+    /// Distinct task kinds of the distribution (with their CPU/RAM on a
+    /// limited shape): the branching factor of every state.
+    #[must_use]
+    pub fn kinds(&self) -> usize {
+        self.kinds.len()
+    }
+
+    /// Canonical GPU states met so far.
+    #[must_use]
+    pub fn gpu_states(&self) -> usize {
+        self.gpus.len()
     }
 
     /// States memoised so far (a size figure).
@@ -562,6 +575,11 @@ pub struct OnlineFigures {
     pub accepted: Vec<u32>,
     /// Memo states of the DP whose policy ran.
     pub states: usize,
+    /// Canonical GPU states of the DP whose policy ran.
+    pub gpu_states: usize,
+    /// Distinct task kinds of this shape's own DP (with their CPU/RAM on a
+    /// limited shape).
+    pub kinds: usize,
     /// Why this shape's own DP was not solved, if it was not.
     pub unsolved: Option<String>,
 }
@@ -579,7 +597,7 @@ impl OnlineFigures {
 /// [`online_figures`]: the used CPU and RAM are sums over the tasks placed
 /// so far, so the states multiply with every task; a budget larger than
 /// this only delays the refusal.
-pub const LIMITED_MAX_STATES: usize = 2_000_000;
+pub const LIMITED_MAX_STATES: usize = 500_000;
 
 /// The online optimum of `shape` on the sequences `seqs` (drawn by the
 /// reference): this shape's own DP within `max_states`; on a limited shape
@@ -612,6 +630,7 @@ pub(crate) fn online_figures(
         max_states
     };
     let mut own = OnlineOptimum::new(spec, profiles, demands, shape)?.with_max_states(own_budget);
+    let kinds = own.kinds();
     let unsolved = match own.solve() {
         Ok(v) => {
             let accepted = run(&mut own)?;
@@ -619,6 +638,8 @@ pub(crate) fn online_figures(
                 expected: Some(v),
                 accepted,
                 states: own.states(),
+                gpu_states: own.gpu_states(),
+                kinds,
                 unsolved: None,
             }));
         }
@@ -631,6 +652,8 @@ pub(crate) fn online_figures(
             expected: None,
             accepted: Vec::new(),
             states: 0,
+            gpu_states: 0,
+            kinds,
             unsolved: Some(unsolved),
         }));
     }
@@ -640,6 +663,8 @@ pub(crate) fn online_figures(
             expected: None,
             accepted: Vec::new(),
             states: 0,
+            gpu_states: 0,
+            kinds,
             unsolved: Some(unsolved),
         }));
     }
@@ -648,6 +673,8 @@ pub(crate) fn online_figures(
         expected: None,
         accepted,
         states: g.states(),
+        gpu_states: g.gpu_states(),
+        kinds,
         unsolved: Some(unsolved),
     }))
 }

@@ -345,6 +345,38 @@ impl SuiteReport {
                             &format!("{:.4}", 100.0 * f64::from(opt.saturating_sub(v[k])) / cap),
                         ])?;
                     }
+                    // The online policy (`online-lb` where it is only the
+                    // geometry DP's policy under the shape's CPU/RAM).
+                    if let Some(o) = r.online.as_ref().filter(|o| !o.accepted.is_empty()) {
+                        let name = if o.exact() { "online" } else { "online-lb" };
+                        for (m, v) in [
+                            ("accepted_pct", f64::from(o.accepted[k])),
+                            ("gap_points", f64::from(opt) - f64::from(o.accepted[k])),
+                        ] {
+                            w.write_record([
+                                "node",
+                                trace,
+                                &r.shape.label,
+                                "",
+                                name,
+                                &seed.to_string(),
+                                m,
+                                &format!("{:.4}", 100.0 * v / cap),
+                            ])?;
+                        }
+                    }
+                }
+                if let Some(e) = r.online_expected_pct() {
+                    w.write_record([
+                        "node",
+                        trace,
+                        &r.shape.label,
+                        "",
+                        "online",
+                        "",
+                        "expected_accepted_pct",
+                        &format!("{e:.6}"),
+                    ])?;
                 }
             }
             for run in &self.runs {
@@ -448,7 +480,12 @@ impl SuiteReport {
         }
         for (trace, r) in &self.nodes {
             if let Some(why) = r.online.as_ref().and_then(|o| o.unsolved.as_ref()) {
-                writeln!(f, "  {trace} {}: exact DP not solved: {why}", r.shape.label)?;
+                let kinds = r.online.as_ref().map_or(0, |o| o.kinds);
+                writeln!(
+                    f,
+                    "  {trace} {}: exact DP not solved ({kinds} task kinds with their CPU/RAM): {why}",
+                    r.shape.label
+                )?;
             }
         }
         writeln!(

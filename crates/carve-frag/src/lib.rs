@@ -5,7 +5,9 @@
 //! state-aware order republished after each prepare and unprepare
 //! ([`live_order`], measured and not kept), a re-packing heuristic) by the
 //! compute slices they leave unallocated: against
-//! the exact per-node optimum ([`optimum`]), and inside a modelled
+//! the exact per-node optimum ([`optimum`], clairvoyant) and the optimal
+//! online policy of the same model ([`online`], exact dynamic programming on
+//! the shapes it can solve), and inside a modelled
 //! kube-scheduler under both `NodeResourcesFit` strategies, with each failure
 //! classified by cause ([`FailCause`]); [`run_suite`] runs it all side by side.
 //!

@@ -661,6 +661,7 @@ mod tests {
             node_seeds: (1..=12).collect(),
             threads: 2,
             shapes: vec![ClusterShape::All, ClusterShape::OnlyGpus(8)],
+            online_max_gpus: 0,
             ..SuiteConfig::new(vec![data("openb_pod_list_sample.csv")])
         };
         let r = run_suite(&cfg).unwrap();
@@ -724,5 +725,61 @@ mod tests {
         let cluster_rows = 4 * Policy::ALL.len() * 2 * 9;
         assert_eq!(lines.len(), 1 + node_rows + cluster_rows);
         assert!(body.contains("cluster,openb_pod_list_sample") || body.contains("cluster,sample"));
+    }
+
+    /// The online optimum beside the per-node reference: solved exactly on
+    /// the 2-GPU geometry-only shape, a lower bound (the geometry policy
+    /// under CPU/RAM) on the 2-GPU limited shape whose own DP is past the
+    /// budget, absent above 2 GPUs; it never beats the clairvoyant optimum
+    /// on a sequence, and its exact expectation is within sampling error of
+    /// its policy's mean on the sequences.
+    #[test]
+    fn the_online_optimum_beside_the_reference() {
+        let cfg = SuiteConfig {
+            seeds: vec![1],
+            node_seeds: (1..=40).collect(),
+            threads: 2,
+            shapes: Vec::new(),
+            online_max_gpus: 2,
+            online_max_states: 5_000,
+            ..SuiteConfig::new(vec![data("openb_pod_list_sample.csv")])
+        };
+        let r = run_suite(&cfg).unwrap();
+        assert!(r.runs.is_empty());
+        let mut solved = 0;
+        for (_, n) in &r.nodes {
+            assert_eq!(n.violations(), 0, "{}", n.shape.label);
+            let Some(o) = &n.online else {
+                assert!(n.shape.gpus > 2, "{}", n.shape.label);
+                continue;
+            };
+            assert_eq!(n.shape.gpus, 2);
+            assert_eq!(o.accepted.len(), 40);
+            let limited = n.shape.cpu_milli.is_some();
+            assert_eq!(o.exact(), !limited, "{}", n.shape.label);
+            let (gap, _) = n.clairvoyant_gap(None).unwrap();
+            assert!(gap >= 0.0);
+            if let Some(e) = n.online_expected_pct() {
+                solved += 1;
+                let (m, se) = n.accepted_pct(None).unwrap();
+                assert!((e - m).abs() <= 4.0 * se + 1e-9, "{e} vs {m} ± {se}");
+                let (c, cse) = n.optimum_accepted_pct();
+                assert!(e <= c + 4.0 * cse + 1e-9, "{e} vs clairvoyant {c} ± {cse}");
+            } else {
+                assert!(o.unsolved.as_deref().unwrap().contains("5000 states"));
+            }
+            assert!(n.online_gap(Policy::Carve).is_some());
+        }
+        assert_eq!(solved, 1);
+        let text = r.to_string();
+        for want in ["Online optimum", "(lb)", "exact DP not solved"] {
+            assert!(text.contains(want), "missing {want:?}\n{text}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("suite.csv");
+        r.write_csv(&out).unwrap();
+        let body = std::fs::read_to_string(&out).unwrap();
+        assert_eq!(body.matches(",online,").count(), 2 * 40 + 1);
+        assert_eq!(body.matches(",online-lb,").count(), 2 * 40);
     }
 }

@@ -4,8 +4,10 @@
 //! [`crate::optimum`] is clairvoyant: it knows the whole task sequence. A
 //! device order (static or state-aware) is an online policy: it places each
 //! task knowing only the node's present occupancy and the distribution the
-//! tasks are drawn from. The best any order can do is therefore the best
-//! online policy, computed here for the reference's own model: tasks drawn
+//! tasks are drawn from. The optimal online policy computed here knows a
+//! little more, the compute arrived so far (rejected tasks included, which
+//! a node does not see), so its value bounds every device order from above.
+//! It is computed for the reference's own model: tasks drawn
 //! i.i.d. and uniformly from the mapped trace's rows (as
 //! [`crate::sim::draw_sequence`] draws them) while less than 100 % of the
 //! node's compute has arrived; a task that fits must be placed, one that does

@@ -433,7 +433,7 @@ impl SuiteReport {
     fn fmt_online(&self, f: &mut fmt::Formatter<'_>, pols: &[Policy]) -> fmt::Result {
         writeln!(
             f,
-            "\nOnline optimum (exact DP, `carve_frag::online`): the best any policy that knows only the present occupancy and the task distribution can expect (a device order, static or state-aware, is such a policy; the optimum above is clairvoyant: it knows the whole sequence). Same model, distribution and stopping rule as the reference. acc% = accepted compute, % of the node: clairvoyant mean ± standard error over the same sequences; E[online] = the DP's exact expectation; online = its policy on the sequences. gap = clairvoyant − online on each sequence (points, mean ± s.e.). Policy cells: online − policy on each sequence (points, mean ± s.e.): the part of a policy's gap that an online policy could close."
+            "\nOnline optimum (exact DP, `carve_frag::online`): the best a policy that knows the present occupancy, the compute arrived so far and the task distribution can expect: more than a device order (static or state-aware) knows, so an upper bound of every order; the optimum above is clairvoyant (it knows the whole sequence). Same model, distribution and stopping rule as the reference. acc% = accepted compute, % of the node: clairvoyant mean ± standard error over the same sequences; E[online] = the DP's exact expectation; online = its policy on the sequences. gap = clairvoyant − online on each sequence (points, mean ± s.e.). Policy cells: online − policy on each sequence (points, mean ± s.e.): the part of a policy's gap that an online policy could close."
         )?;
         write!(
             f,
@@ -481,9 +481,14 @@ impl SuiteReport {
         for (trace, r) in &self.nodes {
             if let Some(why) = r.online.as_ref().and_then(|o| o.unsolved.as_ref()) {
                 let kinds = r.online.as_ref().map_or(0, |o| o.kinds);
+                let with = if r.shape.cpu_milli.is_some() || r.shape.memory_mib.is_some() {
+                    " with their CPU/RAM"
+                } else {
+                    ""
+                };
                 writeln!(
                     f,
-                    "  {trace} {}: exact DP not solved ({kinds} task kinds with their CPU/RAM): {why}",
+                    "  {trace} {}: exact DP not solved ({kinds} task kinds{with}): {why}",
                     r.shape.label
                 )?;
             }

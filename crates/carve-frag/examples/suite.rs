@@ -1,7 +1,7 @@
 //! Development driver for the suite (the user-facing command is `carve bench
 //! fragmentation`): `cargo run --release -p carve-frag --example suite --
 //! TRACE... [seeds=1..5] [node_seeds=1..100] [shapes=all,8] [scorings=least,most]
-//! [policies=name,carve] [csv=PATH] [threads=N] [churn=1 [rhos=0.8,1.0]]`;
+//! [policies=name,carve] [csv=PATH] [threads=N] [online=MAX_GPUS] [online_states=N] [churn=1 [rhos=0.8,1.0]]`;
 //! `churn=1` runs churn mode on the first trace instead (`--churn`).
 use carve_frag::{ClusterShape, Scoring, SuiteConfig, parse_seeds, run_suite};
 
@@ -22,6 +22,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             Some(("threads", v)) => cfg.threads = v.parse()?,
+            Some(("online", v)) => cfg.online_max_gpus = v.parse()?,
+            Some(("online_states", v)) => cfg.online_max_states = v.parse()?,
             Some(("csv", v)) => csv = Some(std::path::PathBuf::from(v)),
             Some(("churn", v)) => churn = v == "1",
             Some(("rhos", v)) => rhos = v.split(',').map(str::parse).collect::<Result<_, _>>()?,

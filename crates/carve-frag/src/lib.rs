@@ -5,7 +5,9 @@
 //! state-aware order republished after each prepare and unprepare
 //! ([`live_order`], measured and not kept), a re-packing heuristic) by the
 //! compute slices they leave unallocated: against
-//! the exact per-node optimum ([`optimum`]), and inside a modelled
+//! the exact per-node optimum ([`optimum`], clairvoyant) and the optimal
+//! online policy of the same model ([`online`], exact dynamic programming on
+//! the shapes it can solve), and inside a modelled
 //! kube-scheduler under both `NodeResourcesFit` strategies, with each failure
 //! classified by cause ([`FailCause`]); [`run_suite`] runs it all side by side.
 //!
@@ -21,6 +23,7 @@ mod csvout;
 pub mod error;
 pub mod live_order;
 pub mod mapping;
+pub mod online;
 pub mod optimum;
 pub mod rng;
 pub mod sim;
@@ -33,6 +36,7 @@ pub use bench::{
 pub use churn::{ChurnConfig, ChurnReport, ChurnRow, run_churn};
 pub use error::FragError;
 pub use mapping::{Demand, InternalFrag, Mapper};
+pub use online::OnlineOptimum;
 pub use optimum::{NodeOptimum, NodeReference, NodeShape};
 pub use sim::{FailCause, Policy, Scoring, Totals};
 pub use suite::{

@@ -19,6 +19,7 @@ use carve_model::GpuSpec;
 
 use crate::error::FragError;
 use crate::mapping::Demand;
+use crate::online::{OnlineFigures, mean_se, online_figures};
 use crate::sim::{NodeCap, Policy, Scoring, World, draw_sequence, replay};
 
 /// One node shape of the per-node reference.
@@ -329,6 +330,9 @@ pub struct NodeReference {
     pub policies: Vec<(Policy, Vec<u32>)>,
     /// Memo entries of the largest search (a size figure, not a time).
     pub max_states: usize,
+    /// The optimal online policy on the same sequences ([`crate::online`]),
+    /// where it was asked for.
+    pub online: Option<OnlineFigures>,
 }
 
 impl NodeReference {
@@ -365,6 +369,70 @@ impl NodeReference {
         Some(100.0 * hit as f64 / v.len() as f64)
     }
 
+    /// Per sequence, `a − b` in points of node capacity.
+    fn diff_points(&self, a: &[u32], b: &[u32]) -> Vec<f64> {
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| 100.0 * (f64::from(x) - f64::from(y)) / self.capacity as f64)
+            .collect()
+    }
+
+    /// Mean accepted compute of the clairvoyant optimum, % of the node, and
+    /// its standard error over the sequences.
+    #[must_use]
+    pub fn optimum_accepted_pct(&self) -> (f64, f64) {
+        let zero = vec![0; self.optimum.len()];
+        mean_se(&self.diff_points(&self.optimum, &zero))
+    }
+
+    /// Mean accepted compute of `policy` (or of the online policy with
+    /// `None`), % of the node, and its standard error.
+    #[must_use]
+    pub fn accepted_pct(&self, policy: Option<Policy>) -> Option<(f64, f64)> {
+        let v = match policy {
+            Some(p) => self.of(p)?,
+            None => self.online.as_ref().map(|o| o.accepted.as_slice())?,
+        };
+        if v.is_empty() {
+            return None;
+        }
+        let zero = vec![0; v.len()];
+        Some(mean_se(&self.diff_points(v, &zero)))
+    }
+
+    /// Gap of `policy` (or of the online policy with `None`) to the
+    /// clairvoyant optimum on the same sequences, points of node capacity:
+    /// mean and standard error of the paired differences.
+    #[must_use]
+    pub fn clairvoyant_gap(&self, policy: Option<Policy>) -> Option<(f64, f64)> {
+        let v = match policy {
+            Some(p) => self.of(p)?,
+            None => self.online.as_ref().map(|o| o.accepted.as_slice())?,
+        };
+        if v.is_empty() {
+            return None;
+        }
+        Some(mean_se(&self.diff_points(&self.optimum, v)))
+    }
+
+    /// Gap of `policy` to the online policy on the same sequences, points:
+    /// mean and standard error of the paired differences (negative on a
+    /// sample where the policy happened to do better).
+    #[must_use]
+    pub fn online_gap(&self, policy: Policy) -> Option<(f64, f64)> {
+        let o = self.online.as_ref().filter(|o| !o.accepted.is_empty())?;
+        let v = self.of(policy)?;
+        Some(mean_se(&self.diff_points(&o.accepted, v)))
+    }
+
+    /// The exact expected accepted compute of the online optimum, % of the
+    /// node, where the DP solved the shape.
+    #[must_use]
+    pub fn online_expected_pct(&self) -> Option<f64> {
+        let e = self.online.as_ref()?.expected?;
+        Some(100.0 * e / self.capacity as f64)
+    }
+
     /// Mean unallocated compute of the optimum at the end, % of the node.
     #[must_use]
     pub fn optimum_unallocated_pct(&self) -> f64 {
@@ -372,14 +440,23 @@ impl NodeReference {
         100.0 - 100.0 * sum as f64 / (self.optimum.len().max(1) as f64 * self.capacity as f64)
     }
 
-    /// Sequences where a policy that never migrates accepted more than the
-    /// optimum: always 0 unless the search or the replay is wrong.
+    /// Sequences where a policy that never migrates (the online policy
+    /// included) accepted more than the optimum: always 0 unless the search
+    /// or the replay is wrong.
     #[must_use]
     pub fn violations(&self) -> usize {
+        let online = self.online.iter().map(|o| {
+            o.accepted
+                .iter()
+                .zip(&self.optimum)
+                .filter(|(g, o)| g > o)
+                .count()
+        });
         self.policies
             .iter()
             .filter(|(p, _)| p.never_migrates())
             .map(|(_, v)| v.iter().zip(&self.optimum).filter(|(g, o)| g > o).count())
+            .chain(online)
             .sum()
     }
 }
@@ -387,10 +464,13 @@ impl NodeReference {
 /// Run the per-node reference: for each seed one sequence of `demands`
 /// (drawn with replacement until 100 % of the node's compute has arrived),
 /// its optimum, and what each policy (that never migrates) accepts on it.
-/// `gpu_spec` is ignored here (the shape has no model).
+/// `gpu_spec` is ignored here (the shape has no model). With `online` =
+/// `(max GPUs, max states)`, the optimal online policy too, on shapes of at
+/// most that many GPUs ([`crate::online`]).
 ///
 /// # Errors
 /// See [`NodeOptimum::new`] and [`NodeOptimum::solve`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn node_reference(
     spec: &GpuSpec,
     profiles: &[usize],
@@ -399,6 +479,7 @@ pub(crate) fn node_reference(
     shape: &NodeShape,
     policies: &[Policy],
     seeds: &[u64],
+    online: Option<(u32, usize)>,
 ) -> Result<NodeReference, FragError> {
     let demands: Vec<Demand> = demands
         .iter()
@@ -436,16 +517,25 @@ pub(crate) fn node_reference(
     let mut optimum = Vec::with_capacity(seeds.len());
     let mut got: Vec<Vec<u32>> = vec![Vec::with_capacity(seeds.len()); policies.len()];
     let mut max_states = 0;
-    for &seed in seeds {
-        let seq = draw_sequence(&demands, seed, capacity, 100);
-        optimum.push(search.solve(shape, &demands, &seq)?);
+    let seqs: Vec<Vec<u32>> = seeds
+        .iter()
+        .map(|&seed| draw_sequence(&demands, seed, capacity, 100))
+        .collect();
+    for (&seed, seq) in seeds.iter().zip(&seqs) {
+        let seq = seq.as_slice();
+        optimum.push(search.solve(shape, &demands, seq)?);
         max_states = max_states.max(search.visited);
         for (k, &p) in policies.iter().enumerate() {
-            let tr = replay(&w, p, seed, &seq, 100, false);
+            let tr = replay(&w, p, seed, seq, 100, false);
             let used = tr.points.last().map_or(0, |t| t.used_compute);
             got[k].push(used as u32);
         }
     }
+    drop(search);
+    let online = match online {
+        Some((g, s)) => online_figures(spec, profiles, &demands, shape, &seqs, g, s)?,
+        None => None,
+    };
     Ok(NodeReference {
         shape: shape.clone(),
         capacity,
@@ -453,6 +543,7 @@ pub(crate) fn node_reference(
         optimum,
         policies: policies.into_iter().zip(got).collect(),
         max_states,
+        online,
     })
 }
 

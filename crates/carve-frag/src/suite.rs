@@ -63,6 +63,12 @@ pub struct SuiteConfig {
     pub nodes_to_score_pct: u32,
     /// Worker threads; 0 = available parallelism.
     pub threads: usize,
+    /// The optimal online policy by exact DP ([`crate::online`]) beside the
+    /// per-node reference, on node shapes of at most this many GPUs; 0 =
+    /// skip.
+    pub online_max_gpus: u32,
+    /// State budget of each DP; a shape past it is reported out of reach.
+    pub online_max_states: usize,
 }
 
 impl SuiteConfig {
@@ -83,6 +89,8 @@ impl SuiteConfig {
             sample_nodes_pct: None,
             nodes_to_score_pct: 0,
             threads: 0,
+            online_max_gpus: 4,
+            online_max_states: crate::online::DEFAULT_MAX_STATES,
         }
     }
 
@@ -259,6 +267,8 @@ pub fn run_suite(cfg: &SuiteConfig) -> Result<SuiteReport, FragError> {
                     &shapes[k],
                     &cfg.policies,
                     &cfg.node_seeds,
+                    (cfg.online_max_gpus > 0)
+                        .then_some((cfg.online_max_gpus, cfg.online_max_states)),
                 )
             });
             for r in refs {
@@ -335,6 +345,38 @@ impl SuiteReport {
                             &format!("{:.4}", 100.0 * f64::from(opt.saturating_sub(v[k])) / cap),
                         ])?;
                     }
+                    // The online policy (`online-lb` where it is only the
+                    // geometry DP's policy under the shape's CPU/RAM).
+                    if let Some(o) = r.online.as_ref().filter(|o| !o.accepted.is_empty()) {
+                        let name = if o.exact() { "online" } else { "online-lb" };
+                        for (m, v) in [
+                            ("accepted_pct", f64::from(o.accepted[k])),
+                            ("gap_points", f64::from(opt) - f64::from(o.accepted[k])),
+                        ] {
+                            w.write_record([
+                                "node",
+                                trace,
+                                &r.shape.label,
+                                "",
+                                name,
+                                &seed.to_string(),
+                                m,
+                                &format!("{:.4}", 100.0 * v / cap),
+                            ])?;
+                        }
+                    }
+                }
+                if let Some(e) = r.online_expected_pct() {
+                    w.write_record([
+                        "node",
+                        trace,
+                        &r.shape.label,
+                        "",
+                        "online",
+                        "",
+                        "expected_accepted_pct",
+                        &format!("{e:.6}"),
+                    ])?;
                 }
             }
             for run in &self.runs {
@@ -380,6 +422,81 @@ impl SuiteReport {
             }
             Ok(())
         })
+    }
+}
+
+fn pm((m, se): (f64, f64)) -> String {
+    format!("{m:.2}±{se:.2}")
+}
+
+impl SuiteReport {
+    fn fmt_online(&self, f: &mut fmt::Formatter<'_>, pols: &[Policy]) -> fmt::Result {
+        writeln!(
+            f,
+            "\nOnline optimum (exact DP, `carve_frag::online`): the best a policy that knows the present occupancy, the compute arrived so far and the task distribution can expect: more than a device order (static or state-aware) knows, so an upper bound of every order; the optimum above is clairvoyant (it knows the whole sequence). Same model, distribution and stopping rule as the reference. acc% = accepted compute, % of the node: clairvoyant mean ± standard error over the same sequences; E[online] = the DP's exact expectation; online = its policy on the sequences. gap = clairvoyant − online on each sequence (points, mean ± s.e.). Policy cells: online − policy on each sequence (points, mean ± s.e.): the part of a policy's gap that an online policy could close."
+        )?;
+        write!(
+            f,
+            "  {:<12} {:<26} {:>10} {:>12} {:>9} {:>12} {:>11}",
+            "trace", "node shape", "states", "clairv acc%", "E[online]", "online acc%", "gap"
+        )?;
+        for p in pols {
+            write!(f, " {:>17}", p.label())?;
+        }
+        writeln!(f)?;
+        for (trace, r) in &self.nodes {
+            let Some(o) = &r.online else { continue };
+            let exact = r
+                .online_expected_pct()
+                .map_or_else(|| "-".to_string(), |e| format!("{e:.2}"));
+            let cells = if o.accepted.is_empty() {
+                ("-".to_string(), "-".to_string())
+            } else {
+                (
+                    r.accepted_pct(None).map_or("-".into(), pm),
+                    r.clairvoyant_gap(None).map_or("-".into(), pm),
+                )
+            };
+            let mark = if o.exact() || o.accepted.is_empty() {
+                ""
+            } else {
+                " (lb)"
+            };
+            write!(
+                f,
+                "  {:<12} {:<26} {:>10} {:>12} {:>9} {:>12} {:>11}",
+                trace,
+                r.shape.label,
+                o.states,
+                pm(r.optimum_accepted_pct()),
+                exact,
+                format!("{}{mark}", cells.0),
+                cells.1
+            )?;
+            for &p in pols {
+                write!(f, " {:>17}", r.online_gap(p).map_or("-".into(), pm))?;
+            }
+            writeln!(f)?;
+        }
+        for (trace, r) in &self.nodes {
+            if let Some(why) = r.online.as_ref().and_then(|o| o.unsolved.as_ref()) {
+                let kinds = r.online.as_ref().map_or(0, |o| o.kinds);
+                let with = if r.shape.cpu_milli.is_some() || r.shape.memory_mib.is_some() {
+                    " with their CPU/RAM"
+                } else {
+                    ""
+                };
+                writeln!(
+                    f,
+                    "  {trace} {}: exact DP not solved ({kinds} task kinds{with}): {why}",
+                    r.shape.label
+                )?;
+            }
+        }
+        writeln!(
+            f,
+            "  (lb): this limited shape's own DP (its used CPU/RAM in the state) was out of reach; the row runs the geometry-only DP's policy under the shape's CPU/RAM, an online policy: a lower bound of the online optimum, so its gap is an upper bound of the online optimum's."
+        )
     }
 }
 
@@ -464,6 +581,9 @@ impl fmt::Display for SuiteReport {
                 "  sequences where a policy beat the optimum: {v} (must be 0); largest search: {states} memo states"
             )?;
         }
+        if self.nodes.iter().any(|(_, r)| r.online.is_some()) {
+            self.fmt_online(f, &pols)?;
+        }
         if !self.runs.is_empty() {
             writeln!(
                 f,
@@ -546,6 +666,7 @@ mod tests {
             node_seeds: (1..=12).collect(),
             threads: 2,
             shapes: vec![ClusterShape::All, ClusterShape::OnlyGpus(8)],
+            online_max_gpus: 0,
             ..SuiteConfig::new(vec![data("openb_pod_list_sample.csv")])
         };
         let r = run_suite(&cfg).unwrap();
@@ -609,5 +730,61 @@ mod tests {
         let cluster_rows = 4 * Policy::ALL.len() * 2 * 9;
         assert_eq!(lines.len(), 1 + node_rows + cluster_rows);
         assert!(body.contains("cluster,openb_pod_list_sample") || body.contains("cluster,sample"));
+    }
+
+    /// The online optimum beside the per-node reference: solved exactly on
+    /// the 2-GPU geometry-only shape, a lower bound (the geometry policy
+    /// under CPU/RAM) on the 2-GPU limited shape whose own DP is past the
+    /// budget, absent above 2 GPUs; it never beats the clairvoyant optimum
+    /// on a sequence, and its exact expectation is within sampling error of
+    /// its policy's mean on the sequences.
+    #[test]
+    fn the_online_optimum_beside_the_reference() {
+        let cfg = SuiteConfig {
+            seeds: vec![1],
+            node_seeds: (1..=40).collect(),
+            threads: 2,
+            shapes: Vec::new(),
+            online_max_gpus: 2,
+            online_max_states: 5_000,
+            ..SuiteConfig::new(vec![data("openb_pod_list_sample.csv")])
+        };
+        let r = run_suite(&cfg).unwrap();
+        assert!(r.runs.is_empty());
+        let mut solved = 0;
+        for (_, n) in &r.nodes {
+            assert_eq!(n.violations(), 0, "{}", n.shape.label);
+            let Some(o) = &n.online else {
+                assert!(n.shape.gpus > 2, "{}", n.shape.label);
+                continue;
+            };
+            assert_eq!(n.shape.gpus, 2);
+            assert_eq!(o.accepted.len(), 40);
+            let limited = n.shape.cpu_milli.is_some();
+            assert_eq!(o.exact(), !limited, "{}", n.shape.label);
+            let (gap, _) = n.clairvoyant_gap(None).unwrap();
+            assert!(gap >= 0.0);
+            if let Some(e) = n.online_expected_pct() {
+                solved += 1;
+                let (m, se) = n.accepted_pct(None).unwrap();
+                assert!((e - m).abs() <= 4.0 * se + 1e-9, "{e} vs {m} ± {se}");
+                let (c, cse) = n.optimum_accepted_pct();
+                assert!(e <= c + 4.0 * cse + 1e-9, "{e} vs clairvoyant {c} ± {cse}");
+            } else {
+                assert!(o.unsolved.as_deref().unwrap().contains("5000 states"));
+            }
+            assert!(n.online_gap(Policy::Carve).is_some());
+        }
+        assert_eq!(solved, 1);
+        let text = r.to_string();
+        for want in ["Online optimum", "(lb)", "exact DP not solved"] {
+            assert!(text.contains(want), "missing {want:?}\n{text}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("suite.csv");
+        r.write_csv(&out).unwrap();
+        let body = std::fs::read_to_string(&out).unwrap();
+        assert_eq!(body.matches(",online,").count(), 2 * 40 + 1);
+        assert_eq!(body.matches(",online-lb,").count(), 2 * 40);
     }
 }

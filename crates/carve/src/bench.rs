@@ -37,6 +37,11 @@ pub struct FragBench {
     /// skips it.
     #[arg(long, default_value = "1..100")]
     node_seeds: String,
+    /// Per-node reference: also the optimal online policy (exact dynamic
+    /// programming) on node shapes of at most this many GPUs, beside the
+    /// clairvoyant optimum; 0 skips it. 8 GPUs are out of its reach.
+    #[arg(long, default_value_t = 4)]
+    online_max_gpus: u32,
     /// Policies to compare (comma-separated): name, first-fit, best-fit,
     /// random, carve, repack-heuristic, state-aware, state-aware-lag<N>
     /// (N ≤ 16: the scheduler allocates from the order published N device
@@ -51,7 +56,8 @@ pub struct FragBench {
     )]
     scoring: Vec<carve_frag::Scoring>,
     /// Cluster shapes from the node list (comma-separated): `all`, or a GPU
-    /// count (only the nodes with that many GPUs).
+    /// count (only the nodes with that many GPUs); `none` skips the cluster
+    /// runs (per-node reference only).
     #[arg(long, value_delimiter = ',', default_value = "all,8")]
     clusters: Vec<String>,
     /// Worker threads (0 = available parallelism).
@@ -124,6 +130,9 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
 }
 
 fn cluster_shapes(v: &[String]) -> anyhow::Result<Vec<carve_frag::ClusterShape>> {
+    if matches!(v, [s] if s.trim() == "none") {
+        return Ok(Vec::new());
+    }
     v.iter()
         .map(|s| match s.trim() {
             "all" => Ok(carve_frag::ClusterShape::All),
@@ -170,6 +179,7 @@ fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
     } else {
         carve_frag::parse_seeds(&a.node_seeds)?
     };
+    cfg.online_max_gpus = a.online_max_gpus;
     cfg.model = a.model;
     cfg.policies = policies;
     cfg.scorings = a.scoring;

@@ -551,3 +551,46 @@ async fn recovery_clears_the_limits_of_claims_that_did_not_complete() {
             .is_empty()
     );
 }
+
+/// A torn checkpoint (current boot) loses the limit records with it: the
+/// claim adopted from the API server and the daemon's state gets its
+/// record back from its share, so its unprepare still clears the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_adopted_after_a_torn_checkpoint_still_has_its_limit_cleared_at_unprepare() {
+    let h = hard_node();
+    let api = api().await;
+    let driver = started(&h.node, h.node.config.clone(), &api).await;
+    let ca = h.pod(POD_A);
+    let a = put(
+        &api,
+        "a",
+        "u-a",
+        &[("gpu-0-mps", "s-a", "8Gi")],
+        &[POD_A],
+        false,
+    );
+    ok(&driver.prepare(vec![a.clone()]).await, "u-a");
+    assert_eq!(h.dmem(&ca, "dmem.max", &h.key0), mib(8192));
+    let recorded = driver.snapshot().await.memory_limits_set_by_plugin;
+    drop(driver);
+    std::fs::write(&h.node.config.checkpoint_path, b"").unwrap();
+
+    let driver = Driver::new(h.node.config.clone(), h.node.backend(), api.client())
+        .await
+        .unwrap();
+    let report = driver.recover().await.unwrap();
+    assert_eq!(report.adopted, ["u-a"], "{report:?}");
+    assert_eq!(
+        driver.snapshot().await.memory_limits_set_by_plugin,
+        recorded,
+        "the adopted claim's limit record"
+    );
+    assert_eq!(
+        h.dmem(&ca, "dmem.max", &h.key0),
+        mib(8192),
+        "kept while prepared"
+    );
+    let out = driver.unprepare(vec![a]).await;
+    assert!(out.iter().all(|(_, r)| r.is_ok()), "{out:?}");
+    h.assert_clear(&ca);
+}

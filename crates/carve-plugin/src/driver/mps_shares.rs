@@ -110,6 +110,44 @@ fn refresh_shares(
     }
 }
 
+/// The hard memory limit of every kept claim's shares that the checkpoint
+/// does not record (a claim adopted after an unusable checkpoint: the limit
+/// was set at its prepare, the record went with the file), rebuilt from the
+/// shares as its prepare planned it (per pod cgroup and GPU, the sum of the
+/// claim's shares), so its unprepare clears the limit.
+fn adopt_memory_records(body: &mut CheckpointBody) {
+    let mut sums: BTreeMap<(String, std::path::PathBuf, String), (String, u64)> = BTreeMap::new();
+    for c in body.claims.values() {
+        for d in &c.devices {
+            let Some(share) = d.kind.mps() else { continue };
+            let (Some(hard), Some(cg)) = (&share.hard_memory, &share.cgroup) else {
+                continue;
+            };
+            let e = sums
+                .entry((c.uid.clone(), cg.clone(), hard.key.clone()))
+                .or_insert((d.gpu_uuid.clone(), 0));
+            e.1 += share.limits.memory_limit_mib;
+        }
+    }
+    for ((claim_uid, cgroup, key), (gpu_uuid, mib)) in sums {
+        let recorded = body
+            .memory_limits_set_by_plugin
+            .iter()
+            .any(|m| m.claim_uid == claim_uid && m.cgroup == cgroup && m.key == key);
+        if !recorded {
+            tracing::warn!(claim.uid = %claim_uid, cgroup = %cgroup.display(), key = %key, mib, "hard memory limit of an adopted claim recorded again");
+            body.memory_limits_set_by_plugin
+                .insert(crate::checkpoint::MemoryLimitRecord {
+                    claim_uid,
+                    cgroup,
+                    gpu_uuid,
+                    key,
+                    mib,
+                });
+        }
+    }
+}
+
 /// What a prepare needs to attach its MPS shares, owned by its blocking hop.
 pub(super) struct MpsJob {
     setup: MpsSetup,
@@ -334,6 +372,7 @@ impl Driver {
                 source: Box::new(e),
             })?;
         refresh_shares(body, &r.shares);
+        adopt_memory_records(body);
         report.mps_units = r.kept;
         report.mps_stopped = r.stopped;
         report.mps_failed = r.failed;

@@ -78,6 +78,13 @@ pub struct MpsConfig {
     /// edits; the daemon keeps the plugin's `/dev/shm`, which a workload
     /// container does not see, so a real MPS client cannot use the server.
     pub shm_launcher: Option<PathBuf>,
+    /// A cgroup directory relative to [`MpsConfig::cgroup_root`] (in each of
+    /// its hierarchies, [`crate::daemon_cgroup::hierarchies`]) under which
+    /// every unit's daemon runs in a cgroup `<unit>` of its own, outside the
+    /// plugin's, so that a container stop does not end it
+    /// ([`crate::daemon_cgroup`]; needs [`MpsConfig::shm_launcher`], which
+    /// moves it there). `None`: the daemon stays in the plugin's cgroup.
+    pub daemon_cgroup: Option<PathBuf>,
 }
 
 impl MpsConfig {
@@ -93,6 +100,7 @@ impl MpsConfig {
             protocol: ProtocolChoice::Auto,
             timeout: Duration::from_secs(10),
             shm_launcher: None,
+            daemon_cgroup: None,
         }
     }
 

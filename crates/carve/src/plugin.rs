@@ -75,6 +75,15 @@ pub struct PluginArgs {
     /// server then; only for `carve simulate` run without root).
     #[arg(long, default_value = "unit-tmpfs", value_enum)]
     pub mps_dev_shm: MpsDevShm,
+    /// The cgroup, relative to `--cgroup-root` and made in each of its
+    /// hierarchies, under which each MPS daemon runs in a cgroup `<unit>` of
+    /// its own, outside the plugin's: a container restart or rolling update
+    /// of the plugin then leaves the daemons running (the plugin must run in
+    /// the host's PID namespace and see the host's cgroup tree at
+    /// `--cgroup-root`). `none`: the daemons stay in the plugin's cgroup
+    /// and end with its container.
+    #[arg(long, default_value = "none", value_parser = parse_daemon_cgroup)]
+    pub mps_daemon_cgroup: DaemonCgroupArg,
     /// How often MPS daemons are checked and restarted if they died (seconds).
     #[arg(long, default_value_t = 10)]
     pub mps_supervise_seconds: u64,
@@ -155,6 +164,24 @@ pub enum MpsDevShm {
     None,
 }
 
+/// `--mps-daemon-cgroup`: `none` or a relative cgroup path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonCgroupArg(pub Option<PathBuf>);
+
+fn parse_daemon_cgroup(s: &str) -> Result<DaemonCgroupArg, String> {
+    if s == "none" {
+        return Ok(DaemonCgroupArg(None));
+    }
+    let p = PathBuf::from(s);
+    if carve_mps::daemon_cgroup::valid_dir(&p) {
+        Ok(DaemonCgroupArg(Some(p)))
+    } else {
+        Err(format!(
+            "{s:?} is neither `none` nor a relative cgroup path without `.` or `..` (e.g. carve-mps)"
+        ))
+    }
+}
+
 /// Detect MPS support when `--sharing` asks for MPS devices.
 fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>> {
     let wanted =
@@ -189,6 +216,23 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
         MpsDevShm::None => tracing::warn!(
             "--mps-dev-shm none: MPS daemons keep the plugin's /dev/shm and share containers get none of theirs; real CUDA MPS clients cannot reach the server so (only for unprivileged simulation)"
         ),
+    }
+    if let Some(dir) = &args.mps_daemon_cgroup.0 {
+        if config.shm_launcher.is_none() {
+            bail!(
+                "--mps-daemon-cgroup {} needs --mps-dev-shm unit-tmpfs: the daemon moves to its cgroup through the carve launcher, which --mps-dev-shm none does not use",
+                dir.display()
+            );
+        }
+        // Found (and the hierarchies listed) now, not at the first share.
+        let found = carve_mps::daemon_cgroup::hierarchies(&config.cgroup_root, "(any unit)")
+            .context("--mps-daemon-cgroup needs the host's cgroup tree at --cgroup-root")?;
+        tracing::info!(
+            dir = %dir.display(),
+            hierarchies = ?found,
+            "MPS daemons run in a cgroup of their own under each hierarchy, outside the plugin's"
+        );
+        config.daemon_cgroup = Some(dir.clone());
     }
     config.protocol = match args.mps_protocol {
         MpsProtocolArg::Auto => carve_mps::ProtocolChoice::Auto,

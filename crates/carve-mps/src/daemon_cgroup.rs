@@ -69,10 +69,14 @@ pub fn hierarchies(root: &Path, unit: &str) -> Result<Vec<PathBuf>, MpsError> {
 }
 
 /// Whether `dir` can name a cgroup below the root: relative, not empty,
-/// only plain components (no `..`, no `.`).
+/// only plain names between single slashes (no `..`, no `.`, which `Path`
+/// would drop silently in the middle, no `//`, no trailing `/`).
 #[must_use]
 pub fn valid_dir(dir: &Path) -> bool {
-    dir.components().next().is_some() && dir.components().all(|c| matches!(c, Component::Normal(_)))
+    dir.to_str().is_some_and(|s| {
+        s.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
+            && dir.components().all(|c| matches!(c, Component::Normal(_)))
+    })
 }
 
 /// The unit's cgroup in every hierarchy at `root`: `<hierarchy>/<dir>/<unit>`.
@@ -200,7 +204,7 @@ mod tests {
         );
         let e = hierarchies(&d.path().join("missing"), "gpu-0-mps").unwrap_err();
         assert!(matches!(e, MpsError::DaemonCgroup { .. }), "{e}");
-        for bad in ["", "/abs", "../up", "a/../b", "./a"] {
+        for bad in ["", "/abs", "../up", "a/../b", "./a", "a/./b", "a//b", "a/"] {
             let e = unit_dirs(d.path(), Path::new(bad), "gpu-0-mps").unwrap_err();
             assert!(matches!(e, MpsError::BadCgroupDir { .. }), "{bad}: {e}");
         }

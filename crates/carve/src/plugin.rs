@@ -741,4 +741,54 @@ mod tests {
         );
         assert!(parse_listen_addr("nine").is_err());
     }
+
+    #[derive(clap::Parser)]
+    struct Args {
+        #[command(flatten)]
+        a: PluginArgs,
+    }
+
+    fn plugin_args(extra: &[&str]) -> PluginArgs {
+        use clap::Parser as _;
+        let base = ["carve", "--node-name", "n", "--sharing", "mps"];
+        let base = base.iter().chain(extra);
+        Args::try_parse_from(base).unwrap().a
+    }
+
+    #[test]
+    fn mps_daemon_cgroup_is_none_by_default_or_a_relative_path() {
+        assert_eq!(plugin_args(&[]).mps_daemon_cgroup, DaemonCgroupArg(None));
+        assert_eq!(
+            plugin_args(&["--mps-daemon-cgroup", "carve/mps"]).mps_daemon_cgroup,
+            DaemonCgroupArg(Some("carve/mps".into()))
+        );
+        for bad in ["/sys/fs/cgroup/x", "../x", "a/./b", ""] {
+            let e = parse_daemon_cgroup(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_daemon_cgroup_needs_the_launcher_and_a_cgroup_tree() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().display().to_string();
+        let common = [
+            "--state-dir",
+            &state,
+            "--mps-control",
+            "/nonexistent/nvidia-cuda-mps-control",
+            "--mps-daemon-cgroup",
+            "carve-mps",
+        ];
+        let mut a: Vec<&str> = common.to_vec();
+        a.extend(["--mps-dev-shm", "none"]);
+        let e = format!("{:#}", mps_setup(&plugin_args(&a)).unwrap_err());
+        assert!(e.contains("needs --mps-dev-shm unit-tmpfs"), "{e}");
+        // No cgroup hierarchy where --cgroup-root points: refused at start,
+        // naming the root.
+        let mut a: Vec<&str> = common.to_vec();
+        a.extend(["--cgroup-root", &state]);
+        let e = format!("{:#}", mps_setup(&plugin_args(&a)).unwrap_err());
+        assert!(e.contains("--cgroup-root") && e.contains(&state), "{e}");
+    }
 }

@@ -944,6 +944,10 @@ fn schema_rejects_unknown_keys_and_bad_policies() {
         "kubeletPlugin: {metricsPort: 70000}",
         "mps: {protocol: v4}",
         "mps: {migInstances: yes-please}",
+        "mps: {daemonCgroup: ../escape}",
+        "mps: {daemonCgroup: /sys/fs/cgroup/carve}",
+        "mps: {daemonCgroup: a/./b}",
+        "mps: {hostCgroupRoot: sys/fs/cgroup}",
         "timeslice: {enabled: true, slices: 4}",
         "logFormat: xml",
         "driverRoot: run/nvidia/driver",
@@ -997,6 +1001,52 @@ fn mps_and_per_gpu_policy_render_flags() {
     );
     // The units' /dev/shm tmpfs, mounted by the plugin, must reach the host.
     assert_eq!(mount.mount_propagation.as_deref(), Some("Bidirectional"));
+    // The daemons outlive the container: each in a cgroup of its own under
+    // the host's tree (mounted read-write where --cgroup-root points), and
+    // the pod in the host's PID namespace.
+    let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(spec.host_pid, Some(true));
+    assert!(
+        a.contains(&"--mps-daemon-cgroup=carve-mps".to_string()),
+        "{a:?}"
+    );
+    assert!(
+        a.contains(&"--cgroup-root=/host/sys/fs/cgroup".to_string()),
+        "{a:?}"
+    );
+    assert_eq!(
+        host_paths(ds).get("host-cgroup").map(String::as_str),
+        Some("/sys/fs/cgroup")
+    );
+    let cg = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|v| v.name == "host-cgroup")
+        .expect("the host cgroup mount");
+    assert_eq!(cg.mount_path, "/host/sys/fs/cgroup");
+    assert_ne!(cg.read_only, Some(true), "mounted read-write");
+}
+
+#[test]
+fn mps_daemon_cgroup_none_and_no_mps_need_neither_host_pid_nor_the_cgroup_mount() {
+    for values in [
+        "{mps: {enabled: true, controlBinary: /usr/bin/nvidia-cuda-mps-control, daemonCgroup: none}}",
+        "{timeslice: {enabled: true}}",
+        "{}",
+    ] {
+        let m = render_valid(&values_with(values));
+        let ds = one(&m.daemonsets, "DaemonSet");
+        let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_ne!(spec.host_pid, Some(true), "{values}");
+        let a = args(plugin_container(ds));
+        assert!(
+            !a.iter()
+                .any(|x| x.starts_with("--mps-daemon-cgroup") || x.starts_with("--cgroup-root")),
+            "{values}: {a:?}"
+        );
+        assert!(!host_paths(ds).contains_key("host-cgroup"), "{values}");
+    }
 }
 
 /// Helm's own linter, strict (warnings are errors), finds nothing.

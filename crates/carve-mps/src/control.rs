@@ -195,6 +195,10 @@ pub struct DaemonIdentity {
     /// ([`crate::shm`]); `None` for a daemon started without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shm: Option<PathBuf>,
+    /// The daemon's own cgroup in each hierarchy
+    /// ([`crate::daemon_cgroup`]); empty for a daemon left in the plugin's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cgroups: Vec<PathBuf>,
 }
 
 /// The shared unit a daemon serves.
@@ -357,19 +361,54 @@ impl<'a> Daemon<'a> {
             .env_remove("CUDA_MPS_PROTOCOL_VERSION");
     }
 
+    /// The unit's daemon cgroups under the configured
+    /// [`MpsConfig::daemon_cgroup`]; empty without one.
+    pub(crate) fn cgroup_dirs(&self) -> Result<Vec<PathBuf>, MpsError> {
+        match &self.cfg.daemon_cgroup {
+            Some(d) => crate::daemon_cgroup::unit_dirs(&self.cfg.cgroup_root, d, self.unit),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Remove the unit's daemon cgroups (the recorded ones and those of the
+    /// configuration), once no process of the daemon is left in them.
+    pub(crate) fn remove_cgroups(&self, recorded: &[PathBuf]) -> Result<(), MpsError> {
+        let mut dirs = recorded.to_vec();
+        // A daemon that died unrecorded may have left the configured ones.
+        if let Ok(more) = self.cgroup_dirs() {
+            dirs.extend(more.into_iter().filter(|d| !recorded.contains(d)));
+        }
+        crate::daemon_cgroup::remove(self.unit, &dirs, self.cfg.timeout)
+    }
+
     /// Start a daemon and wait for its pid file and control endpoint; with a
     /// launcher configured, on the unit's tmpfs as its `/dev/shm`
-    /// ([`crate::shm`]). On error no daemon runs and no tmpfs stays mounted.
+    /// ([`crate::shm`]), and with [`MpsConfig::daemon_cgroup`], in the unit's
+    /// own cgroup ([`crate::daemon_cgroup`]). On error no daemon runs, no
+    /// tmpfs stays mounted and no cgroup of the unit is left.
     pub(crate) fn start(&self, protocol: Protocol) -> Result<DaemonIdentity, MpsError> {
+        let cgroups = self.cgroup_dirs()?;
         let Some(launcher) = &self.cfg.shm_launcher else {
-            return self.start_on(protocol, None);
+            if !cgroups.is_empty() {
+                return Err(MpsError::StartFailed {
+                    unit: self.unit.to_string(),
+                    binary: self.cfg.control_binary.clone(),
+                    args: String::new(),
+                    why: "a daemon cgroup is configured but no launcher (shm_launcher) that could move the daemon there".into(),
+                });
+            }
+            return self.start_on(protocol, None, &cgroups);
         };
-        crate::shm::mount(&self.shm_dir)?;
-        let started = self.start_on(protocol, Some(launcher));
-        if started.is_err()
-            && let Err(e) = crate::shm::unmount(&self.shm_dir)
-        {
-            tracing::warn!(unit = self.unit, error = %e, "removing the MPS tmpfs after a failed start");
+        crate::daemon_cgroup::create(self.unit, &cgroups)?;
+        let started = crate::shm::mount(&self.shm_dir)
+            .and_then(|()| self.start_on(protocol, Some(launcher), &cgroups));
+        if started.is_err() {
+            if let Err(e) = crate::shm::unmount(&self.shm_dir) {
+                tracing::warn!(unit = self.unit, error = %e, "removing the MPS tmpfs after a failed start");
+            }
+            if let Err(e) = crate::daemon_cgroup::remove(self.unit, &cgroups, self.cfg.timeout) {
+                tracing::warn!(unit = self.unit, error = %e, "removing the MPS daemon cgroup after a failed start");
+            }
         }
         started
     }
@@ -378,6 +417,7 @@ impl<'a> Daemon<'a> {
         &self,
         protocol: Protocol,
         launcher: Option<&PathBuf>,
+        cgroups: &[PathBuf],
     ) -> Result<DaemonIdentity, MpsError> {
         make_private_dir(&self.pipe_dir)?;
         make_private_dir(&self.log_dir)?;
@@ -393,7 +433,12 @@ impl<'a> Daemon<'a> {
         };
         let mut cmd = match launcher {
             Some(l) => {
-                let mut c = crate::shm::command(l, &self.shm_dir, &self.cfg.control_binary);
+                let mut c = crate::launcher::command(
+                    l,
+                    cgroups,
+                    Some(&self.shm_dir),
+                    &self.cfg.control_binary,
+                );
                 self.env(&mut c);
                 c
             }
@@ -442,6 +487,7 @@ impl<'a> Daemon<'a> {
                     log_dir: self.log_dir.clone(),
                     protocol,
                     shm: launcher.map(|_| self.shm_dir.clone()),
+                    cgroups: cgroups.to_vec(),
                 })
             }
             (_, pid, _) => {
@@ -522,8 +568,9 @@ impl<'a> Daemon<'a> {
         if pid_file.exists() {
             std::fs::remove_file(&pid_file).map_err(io("remove", &pid_file))?;
         }
-        // The daemon and its servers are gone: nothing uses the tmpfs.
-        crate::shm::unmount(&self.shm_dir)
+        // The daemon and its servers are gone: nothing uses the tmpfs or the cgroup.
+        crate::shm::unmount(&self.shm_dir)?;
+        self.remove_cgroups(&id.cgroups)
     }
 }
 
@@ -659,8 +706,9 @@ impl MpsControl {
             if self.state.identity.take().is_some() {
                 self.save()?;
             }
-            // A daemon that died without clients leaves its tmpfs behind.
+            // A daemon that died without clients leaves its tmpfs and cgroup behind.
             crate::shm::unmount(&self.dir.join(crate::shm::SHM_DIR))?;
+            self.daemon().remove_cgroups(&[])?;
             return Ok(Ensure::Idle);
         }
         self.ensure_daemon()
@@ -680,6 +728,19 @@ impl MpsControl {
         let restarted = self.state.identity.is_some() && !self.state.clients.is_empty();
         if let Some(old) = self.state.identity.take() {
             tracing::warn!(unit = %self.target.unit, pid = old.pid, "MPS control daemon died");
+            // Its cgroups, where another configuration put them; the new
+            // daemon's are made again below.
+            let stale: Vec<PathBuf> = old
+                .cgroups
+                .iter()
+                .filter(|d| !self.daemon().cgroup_dirs().is_ok_and(|c| c.contains(d)))
+                .cloned()
+                .collect();
+            if let Err(e) =
+                crate::daemon_cgroup::remove(&self.target.unit, &stale, self.cfg.timeout)
+            {
+                tracing::warn!(unit = %self.target.unit, error = %e, "removing a dead MPS daemon's cgroup");
+            }
         }
         let protocol = self.support.protocol;
         let id = self.daemon().start(protocol)?;
@@ -962,6 +1023,7 @@ impl MpsControl {
         }
         if self.state.identity.is_none() {
             crate::shm::unmount(&self.dir.join(crate::shm::SHM_DIR))?;
+            self.daemon().remove_cgroups(&[])?;
             return Ok(false);
         }
         self.stop_daemon()?;

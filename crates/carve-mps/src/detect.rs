@@ -86,6 +86,13 @@ pub struct MpsConfig {
     /// `nvidia-smi`, which sets hard memory limits (memory partitioning,
     /// [`crate::memlimit`]). `None`: none are set, memory stays `client`.
     pub nvidia_smi: Option<PathBuf>,
+    /// A cgroup directory relative to [`MpsConfig::cgroup_root`] (in each of
+    /// its hierarchies, [`crate::daemon_cgroup::hierarchies`]) under which
+    /// every unit's daemon runs in a cgroup `<unit>` of its own, outside the
+    /// plugin's, so that a container stop does not end it
+    /// ([`crate::daemon_cgroup`]; needs [`MpsConfig::shm_launcher`], which
+    /// moves it there). `None`: the daemon stays in the plugin's cgroup.
+    pub daemon_cgroup: Option<PathBuf>,
 }
 
 impl MpsConfig {
@@ -102,6 +109,7 @@ impl MpsConfig {
             timeout: Duration::from_secs(10),
             shm_launcher: None,
             nvidia_smi: None,
+            daemon_cgroup: None,
         }
     }
 

@@ -77,6 +77,28 @@ pub enum MpsError {
         /// Its pid.
         pid: u32,
     },
+    /// The unit's daemon cgroup ([`crate::daemon_cgroup`]) cannot be found,
+    /// made or removed.
+    #[error("{unit}: {op} {path}")]
+    DaemonCgroup {
+        /// Shared device.
+        unit: String,
+        /// What was being done.
+        op: &'static str,
+        /// The cgroup directory (or the cgroup root).
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The configured daemon cgroup is not a relative path of plain names.
+    #[error(
+        "MPS daemon cgroup {path:?} must be a relative path below the cgroup root, without `.` or `..`"
+    )]
+    BadCgroupDir {
+        /// As configured.
+        path: PathBuf,
+    },
     /// The configuration asks for what this node cannot do.
     #[error("MPS strategy {wanted} is not supported here: {why}")]
     StrategyUnsupported {

@@ -207,14 +207,17 @@ fn parse_top(args: &[String]) -> Result<Top, String> {
 }
 
 /// The fake's binaries' entry (the command line after the program name):
-/// as `--carve-mps-shm-exec …` the MPS launcher
-/// ([`crate::shm::exec_main`], what the `carve` binary is in the plugin, so
+/// as `--carve-mps-exec …` the MPS launcher
+/// ([`crate::launcher::exec_main`], what the `carve` binary is in the plugin, so
 /// tests can use a fake's binary as [`crate::MpsConfig::shm_launcher`]),
 /// otherwise the fake ([`run`]).
 #[must_use]
 pub fn main(args: &[std::ffi::OsString]) -> ExitCode {
-    if args.first().is_some_and(|a| a == crate::shm::EXEC_FLAG) {
-        return crate::shm::exec_main(&args[1..]);
+    if args
+        .first()
+        .is_some_and(|a| a == crate::launcher::EXEC_FLAG)
+    {
+        return crate::launcher::exec_main(&args[1..]);
     }
     let args: Vec<String> = args
         .iter()

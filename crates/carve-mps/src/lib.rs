@@ -5,7 +5,9 @@
 //! re-apply limits after a crash, `quit` after the last claim), turn each
 //! claim share's limits into v2 commands or a v3 namespace of its own, and
 //! describe the share's container edits ([`ShareEdits`]: in v3 only the
-//! namespace's pipe directory, and the unit's `/dev/shm` tmpfs, [`shm`]).
+//! namespace's pipe directory, and the unit's `/dev/shm` tmpfs, [`shm`]),
+//! each daemon in a cgroup and session of its own outside the plugin's so
+//! that it outlives the plugin's container ([`daemon_cgroup`], [`launcher`]).
 //!
 //! Not here: the device descriptions and `consumedCapacity` translation
 //! (`carve_model::sharing`), writing CDI files, GPU compute mode (NVML), MIG
@@ -26,10 +28,12 @@
 pub mod cdi;
 pub mod cgroup;
 pub mod control;
+pub mod daemon_cgroup;
 pub mod detect;
 pub mod error;
 pub mod fake;
 pub mod fake_smi;
+pub mod launcher;
 pub mod memlimit;
 mod proc;
 pub mod shm;

@@ -21,7 +21,7 @@
 //! reads the daemon's `/dev/shm`. So the tmpfs is per unit, like NVIDIA's is
 //! per daemon: `<unit dir>/shm`, mounted before the daemon starts, given to
 //! the daemon as its `/dev/shm` (the daemon runs in a mount namespace of its
-//! own, see [`exec_main`]), bind-mounted at `/dev/shm` into every share's
+//! own, see [`crate::launcher`]), bind-mounted at `/dev/shm` into every share's
 //! containers ([`crate::cdi`]), and unmounted and removed when the daemon
 //! stops. The cost: the pods of different claims on one unit see each
 //! other's POSIX shared memory (their `/dev/shm` is the unit's), as pods
@@ -33,10 +33,7 @@
 //! the MPS root, so that the container runtime bind-mounts the tmpfs and not
 //! the empty directory below it (NVIDIA mounts its MPS root so as well).
 
-use std::ffi::OsString;
-use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::path::Path;
 
 use nix::mount::{MntFlags, MsFlags};
 
@@ -44,9 +41,7 @@ use crate::error::{MpsError, io};
 
 /// The unit's tmpfs directory, under the unit directory.
 pub const SHM_DIR: &str = "shm";
-/// The argument that makes a launcher ([`crate::MpsConfig::shm_launcher`])
-/// run [`exec_main`]: `<launcher> --carve-mps-shm-exec <shm dir> <program> <args…>`.
-pub const EXEC_FLAG: &str = "--carve-mps-shm-exec";
+pub use crate::launcher::{EXEC_FLAG, exec_main};
 /// Where the daemon and the clients see the tmpfs.
 pub const DEV_SHM: &str = "/dev/shm";
 /// NVIDIA DRA driver's size when `/proc/meminfo` cannot be read (`sharing.go`).
@@ -155,68 +150,6 @@ pub(crate) fn unmount(dir: &Path) -> Result<(), MpsError> {
         })?;
     }
     std::fs::remove_dir(dir).map_err(io("remove directory", dir))
-}
-
-/// The command that starts `program args` with `shm` as its `/dev/shm`,
-/// through `launcher`.
-pub(crate) fn command(launcher: &Path, shm: &Path, program: &Path) -> Command {
-    let mut c = Command::new(launcher);
-    c.arg(EXEC_FLAG).arg(shm).arg(program);
-    c
-}
-
-/// The launcher side (`<launcher> --carve-mps-shm-exec <shm> <program>
-/// <args…>`, `args` without the flag): in a new mount namespace whose mounts
-/// follow the parent's (`MS_SLAVE`, so host mounts made later still reach
-/// the daemon), bind `<shm>` over `/dev/shm`, then exec the program. The
-/// daemon it forks and the servers that forks keep that namespace; the
-/// caller's stays untouched.
-#[must_use]
-pub fn exec_main(args: &[OsString]) -> ExitCode {
-    let [shm, program, rest @ ..] = args else {
-        eprintln!("usage: {EXEC_FLAG} <shm directory> <program> [args…]");
-        return ExitCode::from(2);
-    };
-    let shm = PathBuf::from(shm);
-    let step = |what: &str, r: nix::Result<()>| r.map_err(|e| format!("{what}: {e}"));
-    let prepared = step(
-        "unshare the mount namespace",
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS),
-    )
-    .and_then(|()| {
-        step(
-            "make / a slave mount",
-            nix::mount::mount(
-                None::<&str>,
-                "/",
-                None::<&str>,
-                MsFlags::MS_REC | MsFlags::MS_SLAVE,
-                None::<&str>,
-            ),
-        )
-    })
-    .and_then(|()| {
-        step(
-            &format!("bind {} on {DEV_SHM}", shm.display()),
-            nix::mount::mount(
-                Some(&shm),
-                DEV_SHM,
-                None::<&str>,
-                MsFlags::MS_BIND,
-                None::<&str>,
-            ),
-        )
-    });
-    if let Err(e) = prepared {
-        eprintln!("carve MPS launcher: {e}");
-        return ExitCode::from(1);
-    }
-    let e = Command::new(program).args(rest).exec();
-    eprintln!(
-        "carve MPS launcher: exec {}: {e}",
-        Path::new(program).display()
-    );
-    ExitCode::from(1)
 }
 
 #[cfg(test)]

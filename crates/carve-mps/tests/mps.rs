@@ -389,6 +389,221 @@ fn a_daemon_that_fails_to_start_leaves_no_tmpfs() {
     assert!(!c.dir().join("shm").exists());
 }
 
+/// Real cgroup hierarchies for the daemon-cgroup tests, as a v1 host lays
+/// them out below its cgroup root: `<root>/unified` (the cgroup v2 tree) and
+/// `<root>/named` (a v1 hierarchy of no controller, `name=carve_t<pid>`).
+/// Dropped: every cgroup made below `carve-test-<pid>` is emptied (its
+/// processes killed) and removed, and both are unmounted.
+struct Hierarchies {
+    root: tempfile::TempDir,
+    mounts: Vec<PathBuf>,
+}
+
+impl Hierarchies {
+    fn mount() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let mut mounts = Vec::new();
+        let named = format!("none,name=carve_t{}", std::process::id());
+        // Sorted, as the plugin lists them.
+        for (dir, args) in [
+            ("named", vec!["-t", "cgroup", "-o", &named, "cgroup"]),
+            ("unified", vec!["-t", "cgroup2", "none"]),
+        ] {
+            let m = root.path().join(dir);
+            std::fs::create_dir(&m).unwrap();
+            let st = Command::new("mount").args(&args).arg(&m).status().unwrap();
+            assert!(st.success(), "mount {args:?} {}", m.display());
+            mounts.push(m);
+        }
+        Self { root, mounts }
+    }
+
+    /// The daemon cgroup directory the tests configure (relative).
+    fn dir() -> PathBuf {
+        PathBuf::from(format!("carve-test-{}", std::process::id()))
+    }
+
+    fn unit(&self, unit: &str) -> Vec<PathBuf> {
+        self.mounts
+            .iter()
+            .map(|m| m.join(Self::dir()).join(unit))
+            .collect()
+    }
+}
+
+fn remove_tree(d: &Path) {
+    if let Ok(rd) = std::fs::read_dir(d) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&e.path());
+            }
+        }
+    }
+    for _ in 0..200 {
+        let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.split_whitespace() {
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
+        if std::fs::remove_dir(d).is_ok() || !d.exists() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+impl Drop for Hierarchies {
+    fn drop(&mut self) {
+        for m in &self.mounts {
+            remove_tree(&m.join(Self::dir()));
+            let _ = Command::new("umount").arg(m).status();
+        }
+        let _ = &self.root;
+    }
+}
+
+/// The cgroup of `pid` in each hierarchy, as `/proc/<pid>/cgroup` lists them.
+fn cgroups_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default()
+}
+
+/// Session id of `pid` (`/proc/<pid>/stat` field 6).
+fn session_of(pid: u32) -> u32 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &s[s.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(3).unwrap().parse().unwrap()
+}
+
+#[test]
+fn each_daemon_runs_in_a_cgroup_and_session_of_its_own_removed_when_it_stops() {
+    if !root() {
+        eprintln!("skipped: cgroup mounts and moves need root");
+        return;
+    }
+    let h = Hierarchies::mount();
+    let mut node = Node::new(&[]);
+    node.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    node.cfg.cgroup_root = h.root.path().to_path_buf();
+    node.cfg.daemon_cgroup = Some(Hierarchies::dir());
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let a = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let id = c.identity().unwrap().clone();
+    let dirs = h.unit("gpu-0-mps");
+    assert_eq!(id.cgroups, dirs, "recorded in the daemon's identity");
+    // The kernel puts the daemon (and the servers it forks) there, in both
+    // hierarchies, and in a session of its own.
+    let rel = format!("/{}/gpu-0-mps", Hierarchies::dir().display());
+    let cg = cgroups_of(id.pid);
+    assert!(cg.lines().any(|l| l == format!("0::{rel}")), "{cg}");
+    assert!(
+        cg.lines()
+            .any(|l| l.ends_with(&format!(":name=carve_t{}:{rel}", std::process::id()))),
+        "{cg}"
+    );
+    for d in &dirs {
+        let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap();
+        assert!(
+            procs.split_whitespace().any(|p| p == id.pid.to_string()),
+            "{}: {procs}",
+            d.display()
+        );
+    }
+    // The session the launcher made (its pid, which became `-d`, the
+    // daemon's parent), not this process's.
+    assert_ne!(session_of(id.pid), session_of(std::process::id()));
+    // It serves: a client through the share's mounts reaches its namespace.
+    assert!(
+        client_of(&a, 1000)
+            .starts_with(&format!("server=carve namespace={} ", ns("claim-a", "s1")))
+    );
+    // The last share goes: the daemon stops and its cgroups are removed
+    // (their parent, shared by all units, stays).
+    assert!(c.remove_client("claim-a", "s1").unwrap());
+    assert!(c.stop_if_idle().unwrap());
+    assert!(node.daemons().is_empty());
+    for d in &dirs {
+        assert!(!d.exists(), "{} left", d.display());
+        assert!(d.parent().unwrap().is_dir());
+    }
+}
+
+#[test]
+fn a_daemon_that_fails_to_start_leaves_no_cgroup_and_a_missing_tree_is_named() {
+    if !root() {
+        eprintln!("skipped: cgroup mounts and moves need root");
+        return;
+    }
+    let h = Hierarchies::mount();
+    let mut node = Node::new(&[("FAKE_MPS_SERVER_STATUS", "Starting")]);
+    node.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    node.cfg.cgroup_root = h.root.path().to_path_buf();
+    node.cfg.daemon_cgroup = Some(Hierarchies::dir());
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let err = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    assert!(matches!(err, MpsError::ServerNotReady { .. }), "{err}");
+    assert!(node.daemons().is_empty());
+    for d in h.unit("gpu-0-mps") {
+        assert!(!d.exists(), "{} left", d.display());
+    }
+    assert!(!c.dir().join("shm").exists());
+
+    // A cgroup root without any hierarchy: an error naming the unit and the
+    // root; no daemon, no tmpfs.
+    let mut bare = Node::new(&[]);
+    bare.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    let empty = bare.tmp.path().join("no-cgroups");
+    std::fs::create_dir(&empty).unwrap();
+    bare.cfg.cgroup_root.clone_from(&empty);
+    bare.cfg.daemon_cgroup = Some(Hierarchies::dir());
+    let support = detect(&bare.cfg).unwrap();
+    let mut c = MpsControl::open(&bare.cfg, &support, whole_target()).unwrap();
+    let err = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    let t = err.to_string();
+    assert!(matches!(err, MpsError::DaemonCgroup { .. }), "{t}");
+    assert!(
+        t.contains("gpu-0-mps") && t.contains(&empty.display().to_string()),
+        "{t}"
+    );
+    assert!(bare.daemons().is_empty());
+    assert!(!c.dir().join("shm").exists());
+
+    // A cgroup the launcher cannot join (here: a plain directory standing in
+    // for a hierarchy, whose `cgroup.procs` is a file): the start fails
+    // naming the unit and the file; no daemon, no tmpfs.
+    let mut fakeh = Node::new(&[]);
+    fakeh.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    let fr = fakeh.tmp.path().join("fake-root");
+    std::fs::create_dir_all(&fr).unwrap();
+    std::fs::write(fr.join("cgroup.procs"), "").unwrap();
+    // Not writable as a directory entry: `cgroup.procs` of the unit is a directory.
+    std::fs::create_dir_all(fr.join("d/gpu-0-mps/cgroup.procs")).unwrap();
+    fakeh.cfg.cgroup_root.clone_from(&fr);
+    fakeh.cfg.daemon_cgroup = Some(PathBuf::from("d"));
+    // The unit's directory stays (it is not empty); do not wait 10 s for it.
+    fakeh.cfg.timeout = Duration::from_secs(2);
+    let support = detect(&fakeh.cfg).unwrap();
+    let mut c = MpsControl::open(&fakeh.cfg, &support, whole_target()).unwrap();
+    let err = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap_err();
+    let t = err.to_string();
+    assert!(
+        t.contains("gpu-0-mps") && t.contains("d/gpu-0-mps/cgroup.procs"),
+        "{t}"
+    );
+    assert!(fakeh.daemons().is_empty());
+    assert!(!c.dir().join("shm").exists());
+}
+
 fn mode(p: &Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o777
 }

@@ -220,10 +220,13 @@ fn invoked_as_fake_mps_control() -> bool {
 
 fn main() -> ExitCode {
     // The plugin starts each MPS control daemon through this executable, on
-    // the unit's tmpfs as its /dev/shm (carve_mps::shm).
+    // the unit's tmpfs as its /dev/shm and in its own cgroup (carve_mps::launcher).
     let raw: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if raw.get(1).is_some_and(|a| a == carve_mps::shm::EXEC_FLAG) {
-        return carve_mps::shm::exec_main(&raw[2..]);
+    if raw
+        .get(1)
+        .is_some_and(|a| a == carve_mps::launcher::EXEC_FLAG)
+    {
+        return carve_mps::launcher::exec_main(&raw[2..]);
     }
     if invoked_as_fake_mps_control() {
         let args: Vec<String> = std::env::args().skip(1).collect();

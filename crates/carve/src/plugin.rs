@@ -80,6 +80,15 @@ pub struct PluginArgs {
     /// server then; only for `carve simulate` run without root).
     #[arg(long, default_value = "unit-tmpfs", value_enum)]
     pub mps_dev_shm: MpsDevShm,
+    /// The cgroup, relative to `--cgroup-root` and made in each of its
+    /// hierarchies, under which each MPS daemon runs in a cgroup `<unit>` of
+    /// its own, outside the plugin's: a container restart or rolling update
+    /// of the plugin then leaves the daemons running (the plugin must run in
+    /// the host's PID namespace and see the host's cgroup tree at
+    /// `--cgroup-root`). `none`: the daemons stay in the plugin's cgroup
+    /// and end with its container.
+    #[arg(long, default_value = "none", value_parser = parse_daemon_cgroup)]
+    pub mps_daemon_cgroup: DaemonCgroupArg,
     /// How often MPS daemons are checked and restarted if they died (seconds).
     #[arg(long, default_value_t = 10)]
     pub mps_supervise_seconds: u64,
@@ -160,6 +169,24 @@ pub enum MpsDevShm {
     None,
 }
 
+/// `--mps-daemon-cgroup`: `none` or a relative cgroup path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonCgroupArg(pub Option<PathBuf>);
+
+fn parse_daemon_cgroup(s: &str) -> Result<DaemonCgroupArg, String> {
+    if s == "none" {
+        return Ok(DaemonCgroupArg(None));
+    }
+    let p = PathBuf::from(s);
+    if carve_mps::daemon_cgroup::valid_dir(&p) {
+        Ok(DaemonCgroupArg(Some(p)))
+    } else {
+        Err(format!(
+            "{s:?} is neither `none` nor a relative cgroup path without `.` or `..` (e.g. carve-mps)"
+        ))
+    }
+}
+
 /// Detect MPS support when `--sharing` asks for MPS devices.
 fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>> {
     let wanted =
@@ -195,6 +222,23 @@ fn mps_setup(args: &PluginArgs) -> anyhow::Result<Option<carve_plugin::MpsSetup>
         MpsDevShm::None => tracing::warn!(
             "--mps-dev-shm none: MPS daemons keep the plugin's /dev/shm and share containers get none of theirs; real CUDA MPS clients cannot reach the server so (only for unprivileged simulation)"
         ),
+    }
+    if let Some(dir) = &args.mps_daemon_cgroup.0 {
+        if config.shm_launcher.is_none() {
+            bail!(
+                "--mps-daemon-cgroup {} needs --mps-dev-shm unit-tmpfs: the daemon moves to its cgroup through the carve launcher, which --mps-dev-shm none does not use",
+                dir.display()
+            );
+        }
+        // Found (and the hierarchies listed) now, not at the first share.
+        let found = carve_mps::daemon_cgroup::hierarchies(&config.cgroup_root, "(any unit)")
+            .context("--mps-daemon-cgroup needs the host's cgroup tree at --cgroup-root")?;
+        tracing::info!(
+            dir = %dir.display(),
+            hierarchies = ?found,
+            "MPS daemons run in a cgroup of their own under each hierarchy, outside the plugin's"
+        );
+        config.daemon_cgroup = Some(dir.clone());
     }
     config.protocol = match args.mps_protocol {
         MpsProtocolArg::Auto => carve_mps::ProtocolChoice::Auto,
@@ -772,5 +816,55 @@ mod tests {
             "127.0.0.1:0".parse().unwrap()
         );
         assert!(parse_listen_addr("nine").is_err());
+    }
+
+    #[derive(clap::Parser)]
+    struct Args {
+        #[command(flatten)]
+        a: PluginArgs,
+    }
+
+    fn plugin_args(extra: &[&str]) -> PluginArgs {
+        use clap::Parser as _;
+        let base = ["carve", "--node-name", "n", "--sharing", "mps"];
+        let base = base.iter().chain(extra);
+        Args::try_parse_from(base).unwrap().a
+    }
+
+    #[test]
+    fn mps_daemon_cgroup_is_none_by_default_or_a_relative_path() {
+        assert_eq!(plugin_args(&[]).mps_daemon_cgroup, DaemonCgroupArg(None));
+        assert_eq!(
+            plugin_args(&["--mps-daemon-cgroup", "carve/mps"]).mps_daemon_cgroup,
+            DaemonCgroupArg(Some("carve/mps".into()))
+        );
+        for bad in ["/sys/fs/cgroup/x", "../x", "a/./b", ""] {
+            let e = parse_daemon_cgroup(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_daemon_cgroup_needs_the_launcher_and_a_cgroup_tree() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().display().to_string();
+        let common = [
+            "--state-dir",
+            &state,
+            "--mps-control",
+            "/nonexistent/nvidia-cuda-mps-control",
+            "--mps-daemon-cgroup",
+            "carve-mps",
+        ];
+        let mut a: Vec<&str> = common.to_vec();
+        a.extend(["--mps-dev-shm", "none"]);
+        let e = format!("{:#}", mps_setup(&plugin_args(&a)).unwrap_err());
+        assert!(e.contains("needs --mps-dev-shm unit-tmpfs"), "{e}");
+        // No cgroup hierarchy where --cgroup-root points: refused at start,
+        // naming the root.
+        let mut a: Vec<&str> = common.to_vec();
+        a.extend(["--cgroup-root", &state]);
+        let e = format!("{:#}", mps_setup(&plugin_args(&a)).unwrap_err());
+        assert!(e.contains("--cgroup-root") && e.contains(&state), "{e}");
     }
 }

@@ -2,8 +2,8 @@
 //! ([`carve_mps::fake`]), as a binary of its own for the tests of this crate.
 //! Run through a link named `nvidia-smi` it is the `nvidia-smi memory-limits`
 //! double ([`carve_mps::fake_smi`]).
-//! Run as `carve-fake-mps-control --carve-mps-shm-exec …` it is the MPS
-//! launcher instead ([`carve_mps::shm::exec_main`]), as the `carve` binary is
+//! Run as `carve-fake-mps-control --carve-mps-exec …` it is the MPS
+//! launcher instead ([`carve_mps::launcher::exec_main`]), as the `carve` binary is
 //! in the plugin, so tests can use it as [`carve_mps::MpsConfig::shm_launcher`].
 
 use std::process::ExitCode;

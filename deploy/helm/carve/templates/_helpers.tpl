@@ -97,3 +97,12 @@ mps{{- if .Values.mps.migInstances -}},mig-mps{{- end -}}
 {{- if .Values.mps.enabled -}},{{- end -}}timeslice
 {{- end -}}
 {{- end -}}
+
+{{/* "true" when MPS daemons run in a cgroup of their own (mps.daemonCgroup
+set, not none): then hostPID, the host cgroup mount and the flag. Empty
+otherwise (a false condition in `if include`). */}}
+{{- define "carve.mpsDaemonCgroup" -}}
+{{- if and .Values.mps.enabled (ne (.Values.mps.daemonCgroup | default "none") "none") -}}
+true
+{{- end -}}
+{{- end -}}

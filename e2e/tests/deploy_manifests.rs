@@ -947,6 +947,7 @@ fn schema_rejects_unknown_keys_and_bad_policies() {
         "mps: {daemonCgroup: ../escape}",
         "mps: {daemonCgroup: /sys/fs/cgroup/carve}",
         "mps: {daemonCgroup: a/./b}",
+        "mps: {nvidiaSmi: usr/bin/nvidia-smi}",
         "mps: {hostCgroupRoot: sys/fs/cgroup}",
         "timeslice: {enabled: true, slices: 4}",
         "logFormat: xml",
@@ -1047,6 +1048,40 @@ fn mps_daemon_cgroup_none_and_no_mps_need_neither_host_pid_nor_the_cgroup_mount(
         );
         assert!(!host_paths(ds).contains_key("host-cgroup"), "{values}");
     }
+}
+
+/// `mps.nvidiaSmi` alone (no daemon cgroup): the tool's flag and the host's
+/// cgroup tree (the pod cgroups the limits go on), but not hostPID; without
+/// MPS, neither.
+#[test]
+fn nvidia_smi_brings_the_host_cgroup_tree_and_its_flag_only_with_mps() {
+    let m = render_valid(&values_with(
+        "{mps: {enabled: true, controlBinary: /usr/bin/nvidia-cuda-mps-control, daemonCgroup: none, nvidiaSmi: /driver-root/usr/bin/nvidia-smi}}",
+    ));
+    let ds = one(&m.daemonsets, "DaemonSet");
+    let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_ne!(spec.host_pid, Some(true));
+    let a = args(plugin_container(ds));
+    for want in [
+        "--nvidia-smi=/driver-root/usr/bin/nvidia-smi",
+        "--cgroup-root=/host/sys/fs/cgroup",
+    ] {
+        assert!(a.iter().any(|x| x == want), "{want}: {a:?}");
+    }
+    assert!(!a.iter().any(|x| x.starts_with("--mps-daemon-cgroup")), "{a:?}");
+    assert_eq!(host_paths(ds)["host-cgroup"], "/sys/fs/cgroup");
+
+    let m = render_valid(&values_with(
+        "{mps: {enabled: false, nvidiaSmi: /driver-root/usr/bin/nvidia-smi}}",
+    ));
+    let ds = one(&m.daemonsets, "DaemonSet");
+    let a = args(plugin_container(ds));
+    assert!(
+        !a.iter()
+            .any(|x| x.starts_with("--nvidia-smi") || x.starts_with("--cgroup-root")),
+        "{a:?}"
+    );
+    assert!(!host_paths(ds).contains_key("host-cgroup"));
 }
 
 /// Helm's own linter, strict (warnings are errors), finds nothing.

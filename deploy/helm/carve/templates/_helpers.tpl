@@ -106,3 +106,14 @@ otherwise (a false condition in `if include`). */}}
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The plugin needs the host's cgroup tree (read-write, as --cgroup-root) when
+MPS daemons get cgroups of their own there, or when hard memory limits go on
+pod cgroups through nvidia-smi (the pod cgroups are in the host's tree only).
+*/}}
+{{- define "carve.hostCgroup" -}}
+{{- if or (include "carve.mpsDaemonCgroup" .) (and .Values.mps.enabled .Values.mps.nvidiaSmi) -}}
+true
+{{- end -}}
+{{- end -}}

@@ -5,7 +5,6 @@
 
 mod advise;
 mod bench;
-mod bench_prepare;
 mod explain;
 mod plugin;
 mod render;

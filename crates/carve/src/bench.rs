@@ -233,6 +233,28 @@ fn cluster_shapes(v: &[String]) -> anyhow::Result<Vec<carve_frag::ClusterShape>>
         .collect()
 }
 
+/// `--churn`: Poisson arrivals with departures, on the first trace.
+fn fragmentation_churn(
+    a: FragBench,
+    seeds: Vec<u64>,
+    policies: Vec<carve_frag::Policy>,
+) -> anyhow::Result<ExitCode> {
+    let mut cfg = carve_frag::BenchConfig::new(&a.trace[0]);
+    cfg.nodes = a.nodes;
+    cfg.seeds = seeds;
+    cfg.model = a.model;
+    cfg.sample_nodes_pct = a.sample_nodes;
+    cfg.nodes_to_score_pct = a.nodes_to_score_pct;
+    cfg.policies = policies;
+    cfg.threads = a.threads;
+    let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
+    print!("{report}");
+    if let Some(csv) = &a.csv {
+        report.write_csv(csv)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
     let seeds = carve_frag::parse_seeds(&a.seeds)?;
     let policies = if a.policies.is_empty() {
@@ -241,20 +263,7 @@ fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
         a.policies.clone()
     };
     if a.churn {
-        let mut cfg = carve_frag::BenchConfig::new(&a.trace[0]);
-        cfg.nodes = a.nodes;
-        cfg.seeds = seeds;
-        cfg.model = a.model;
-        cfg.sample_nodes_pct = a.sample_nodes;
-        cfg.nodes_to_score_pct = a.nodes_to_score_pct;
-        cfg.policies = policies;
-        cfg.threads = a.threads;
-        let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
-        print!("{report}");
-        if let Some(csv) = &a.csv {
-            report.write_csv(csv)?;
-        }
-        return Ok(ExitCode::SUCCESS);
+        return fragmentation_churn(a, seeds, policies);
     }
     let mut cfg = carve_frag::SuiteConfig::new(a.trace.clone());
     cfg.nodes = a.nodes;

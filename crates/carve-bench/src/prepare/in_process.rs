@@ -13,7 +13,9 @@ use kube::api::{Patch, PatchParams};
 
 use super::backend::{Counts, TimedBackend};
 use super::cpu::ThreadCpu;
-use super::node::{BenchNode, all_placements, concurrent_devices, mig_device, put_claim};
+use super::node::{
+    BenchNode, all_placements, concurrent_devices, mig_device, put_claim, put_claims,
+};
 use super::{API_SAMPLES, Options, STAND_IN_THREAD};
 use crate::BenchError;
 
@@ -266,19 +268,7 @@ async fn concurrently(
     let rounds = (a.iterations / a.concurrency).max(1);
     let mut all = Vec::new();
     for r in 0..rounds {
-        let batch: Vec<ClaimRef> = devices
-            .iter()
-            .enumerate()
-            .map(|(j, d)| {
-                put_claim(
-                    store,
-                    &format!("con-{r}-{j}"),
-                    &format!("uid-con-{r}-{j}"),
-                    d,
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        all.push(batch);
+        all.push(put_claims(store, &format!("con-{r}"), &devices)?);
     }
     for batch in &all {
         let t = Instant::now();

@@ -248,6 +248,27 @@ pub(super) fn put_claim(
     })
 }
 
+/// One claim per device of `devices`, named `<prefix>-<j>` (UID
+/// `uid-<prefix>-<j>`) for the `j`th: a batch prepared at once.
+pub(super) fn put_claims(
+    store: &Store,
+    prefix: &str,
+    devices: &[String],
+) -> Result<Vec<ClaimRef>, BenchError> {
+    devices
+        .iter()
+        .enumerate()
+        .map(|(j, d)| {
+            put_claim(
+                store,
+                &format!("{prefix}-{j}"),
+                &format!("uid-{prefix}-{j}"),
+                d,
+            )
+        })
+        .collect()
+}
+
 /// Every (profile, placement) of the model, for the one-at-a-time run.
 pub(super) fn all_placements(model: &GpuModel) -> Vec<(String, u8)> {
     let spec = model.spec();

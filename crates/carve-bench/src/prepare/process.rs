@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use carve_apiserver::{ApiServer, Options as ApiOptions, Store};
 use carve_model::GpuModel;
 use carve_plugin::ClaimRef;
-use carve_plugin::testing::{FakeKubelet, uds_channel};
+use carve_plugin::testing::{FakeKubelet, FakeKubeletError, uds_channel};
 
-use super::node::{BenchNode, NODE, concurrent_devices, put_claim};
+use super::node::{BenchNode, NODE, concurrent_devices, put_claims};
 use super::{MALLOC_ARENA_MAX, Options, PROCESS_DEADLINE, STARTS};
 use crate::BenchError;
 
@@ -316,70 +316,55 @@ async fn cycle_claims(
     let mut round = 0u64;
     while done < u64::from(a.iterations) {
         let n = (u64::from(a.iterations) - done).min(devices.len() as u64) as usize;
-        let batch: Vec<ClaimRef> = devices[..n]
-            .iter()
-            .enumerate()
-            .map(|(j, d)| {
-                put_claim(
-                    store,
-                    &format!("rss-{round}-{j}"),
-                    &format!("uid-rss-{round}-{j}"),
-                    d,
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        let prep = answered(
-            pid,
-            "prepare",
-            n,
-            futures::future::join_all(
-                batch
-                    .iter()
-                    .map(|c| kubelet.prepare(std::slice::from_ref(c))),
-            ),
-        )
+        let batch = put_claims(store, &format!("rss-{round}"), &devices[..n])?;
+        each_answered(pid, "prepare", &batch, |c| async move {
+            let r = kubelet.prepare(std::slice::from_ref(c)).await?;
+            Ok(r.claims.get(&c.uid).map(|x| x.error.clone()))
+        })
         .await?;
-        for (c, r) in batch.iter().zip(prep) {
-            let r = r.map_err(|e| BenchError::setup(format!("plugin process: prepare {c}"), e))?;
-            claim_answered("prepare", c, r.claims.get(&c.uid).map(|x| x.error.as_str()))?;
-        }
-        let unp = answered(
-            pid,
-            "unprepare",
-            n,
-            futures::future::join_all(
-                batch
-                    .iter()
-                    .map(|c| kubelet.unprepare(std::slice::from_ref(c))),
-            ),
-        )
+        each_answered(pid, "unprepare", &batch, |c| async move {
+            let r = kubelet.unprepare(std::slice::from_ref(c)).await?;
+            Ok(r.claims.get(&c.uid).map(|x| x.error.clone()))
+        })
         .await?;
-        for (c, r) in batch.iter().zip(unp) {
-            let r =
-                r.map_err(|e| BenchError::setup(format!("plugin process: unprepare {c}"), e))?;
-            claim_answered(
-                "unprepare",
-                c,
-                r.claims.get(&c.uid).map(|x| x.error.as_str()),
-            )?;
-        }
         done += n as u64;
         round += 1;
     }
     Ok(done)
 }
 
-/// The claim's per-claim error in the plugin's answer to `what`, empty when
-/// it succeeded (`None`: no result for the claim).
-fn claim_answered(what: &str, c: &ClaimRef, error: Option<&str>) -> Result<(), BenchError> {
-    let e = error.unwrap_or("no result");
-    if e.is_empty() {
-        Ok(())
-    } else {
-        Err(BenchError::Plugin(format!(
-            "plugin process: {what} {c}: {e}"
-        )))
+/// `call` (the kubelet's `what`) for each claim of `batch` at once, every
+/// one answered in time and without a per-claim error. `call` returns the
+/// claim's error in the answer, empty when it succeeded (`None`: no result
+/// for the claim).
+async fn each_answered<'c, F, Fut>(
+    pid: u32,
+    what: &str,
+    batch: &'c [ClaimRef],
+    call: F,
+) -> Result<(), BenchError>
+where
+    F: Fn(&'c ClaimRef) -> Fut,
+    Fut: std::future::Future<Output = Result<Option<String>, FakeKubeletError>>,
+{
+    let answers = answered(
+        pid,
+        what,
+        batch.len(),
+        futures::future::join_all(batch.iter().map(call)),
+    )
+    .await?;
+    for (c, r) in batch.iter().zip(answers) {
+        let e = r
+            .map_err(|e| BenchError::setup(format!("plugin process: {what} {c}"), e))?
+            .unwrap_or_else(|| "no result".into());
+        if !e.is_empty() {
+            return Err(BenchError::Plugin(format!(
+                "plugin process: {what} {c}: {e}"
+            )));
+        }
     }
+    Ok(())
 }
 
 /// `calls` concurrent calls to the plugin process, answered within

@@ -1,6 +1,8 @@
 //! Transient per-claim CDI specs. Serde types matching CDI spec 1.1.0 (the
 //! `container-device-interface` crate keeps its spec fields crate-private, so its
 //! types cannot be built from outside); carve writes only the fields it uses.
+//! The spec files: their path, written atomically, read, removed. What a
+//! claim's spec holds is built in the driver's `cdi_spec` module.
 
 use std::path::{Path, PathBuf};
 
@@ -160,61 +162,6 @@ pub fn claim_spec_path(cdi_dir: &Path, claim_uid: &str) -> PathBuf {
     cdi_dir.join(format!("k8s.gpu.carve.dev-claim_{claim_uid}.json"))
 }
 
-/// CDI device name of a device of a claim.
-pub(crate) fn device_name(claim_uid: &str, device: &str) -> Result<String, CdiError> {
-    let name = format!("{claim_uid}-{device}");
-    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
-    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
-    if !name.chars().all(ok_char) {
-        return Err(CdiError::BadName {
-            name,
-            reason: "only letters, digits, '-', '_', '.', ':' are allowed",
-        });
-    }
-    if !ends(name.chars().next()) || !ends(name.chars().last()) {
-        return Err(CdiError::BadName {
-            name,
-            reason: "must start and end with a letter or digit",
-        });
-    }
-    Ok(name)
-}
-
-/// Fully-qualified CDI id (`k8s.gpu.carve.dev/claim=<name>`).
-pub(crate) fn qualified(name: &str) -> String {
-    format!("{CDI_KIND}={name}")
-}
-
-/// Container edits of one device: its GPU node, its MIG capability nodes,
-/// and `extra_env` (`NVIDIA_DRIVER_CAPABILITIES` from the claim's config). No
-/// visible-device variables: two devices' variables would overwrite each
-/// other in one container, and CUDA enumerates the devices whose nodes the
-/// container has.
-pub(crate) fn device_edits(
-    gpu_node: DeviceNode,
-    cap_nodes: Vec<DeviceNode>,
-    extra_env: Option<String>,
-) -> ContainerEdits {
-    let mut device_nodes = vec![gpu_node];
-    device_nodes.extend(cap_nodes);
-    ContainerEdits {
-        env: extra_env.into_iter().collect(),
-        device_nodes,
-        mounts: Vec::new(),
-        hooks: Vec::new(),
-    }
-}
-
-/// Add an MPS share's variables and pipe-directory mount to a device's edits.
-pub(crate) fn add_share(e: &mut ContainerEdits, share: &carve_mps::ShareEdits) {
-    e.env.extend(share.env.iter().cloned());
-    e.mounts.extend(share.mounts.iter().map(|m| Mount {
-        host_path: m.host_path.display().to_string(),
-        container_path: m.container_path.clone(),
-        options: m.options.clone(),
-    }));
-}
-
 impl CdiSpec {
     /// A claim spec with these devices and spec-level edits.
     #[must_use]
@@ -263,39 +210,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mig_edits_and_names() {
-        let e = device_edits(
-            DeviceNode::path("/dev/nvidia3".into()),
-            vec![
-                crate::driver_root::cap_node(236, 31, 0o444),
-                crate::driver_root::cap_node(236, 32, 0o444),
-            ],
-            None,
-        );
-        let paths: Vec<_> = e.device_nodes.iter().map(|d| d.path.as_str()).collect();
-        assert_eq!(
-            paths,
-            [
-                "/dev/nvidia3",
-                "/dev/nvidia-caps/nvidia-cap31",
-                "/dev/nvidia-caps/nvidia-cap32"
-            ]
-        );
-        let v = serde_json::to_value(&e.device_nodes[1]).unwrap();
-        assert_eq!(
-            v,
-            serde_json::json!({"path": "/dev/nvidia-caps/nvidia-cap31", "type": "c", "major": 236, "minor": 31, "fileMode": 292})
-        );
-        assert!(e.env.is_empty());
-        let n = device_name("0f7c-11", "gpu-0-mig-1g10gb-3").unwrap();
-        assert_eq!(
-            qualified(&n),
-            "k8s.gpu.carve.dev/claim=0f7c-11-gpu-0-mig-1g10gb-3"
-        );
-        assert!(device_name("a/b", "gpu-0").is_err());
-    }
-
-    #[test]
     fn spec_json_shape_and_roundtrip() {
         let common = ContainerEdits {
             env: vec!["NVIDIA_VISIBLE_DEVICES=void".into()],
@@ -305,11 +219,10 @@ mod tests {
         let s = CdiSpec::new(
             vec![CdiDevice {
                 name: "u-gpu-0".into(),
-                container_edits: device_edits(
-                    DeviceNode::path("/dev/nvidia0".into()),
-                    vec![],
-                    None,
-                ),
+                container_edits: ContainerEdits {
+                    device_nodes: vec![DeviceNode::path("/dev/nvidia0".into())],
+                    ..ContainerEdits::default()
+                },
             }],
             common,
         );

@@ -352,58 +352,11 @@ pub(crate) fn parse_configs(
         if opaque.driver != driver {
             continue;
         }
-        let source_kind = c.source.clone();
-        let malformed = |reason: String| ConfigError::Malformed {
-            index,
-            source_kind: source_kind.clone(),
-            reason,
-        };
-        let value = &opaque.parameters.0;
-        if !value.is_object() {
-            return Err(malformed("parameters are not a JSON object".into()));
-        }
-        let meta: TypeMeta = serde_json::from_value(value.clone())
-            .map_err(|e| malformed(format!("apiVersion/kind: {e}")))?;
-        let api_version = meta
-            .api_version
-            .ok_or_else(|| malformed("apiVersion is missing".into()))?;
-        let kind = meta
-            .kind
-            .ok_or_else(|| malformed("kind is missing".into()))?;
-        if api_version != OPAQUE_API_VERSION {
-            return Err(ConfigError::UnknownVersion {
-                index,
-                source_kind,
-                api_version,
-            });
-        }
-        let mut fields = value.clone();
-        if let Some(m) = fields.as_object_mut() {
-            m.remove("apiVersion");
-            m.remove("kind");
-        }
-        let invalid = |e: serde_json::Error| ConfigError::Invalid {
-            index,
-            source_kind: source_kind.clone(),
-            kind: kind.clone(),
-            reason: e.to_string(),
-        };
-        let config = match kind.as_str() {
-            "GpuConfig" => OpaqueConfig::Gpu(serde_json::from_value(fields).map_err(invalid)?),
-            "MigConfig" => OpaqueConfig::Mig(serde_json::from_value(fields).map_err(invalid)?),
-            "MpsConfig" => OpaqueConfig::Mps(serde_json::from_value(fields).map_err(invalid)?),
-            _ => {
-                return Err(ConfigError::UnknownKind {
-                    index,
-                    source_kind,
-                    kind,
-                });
-            }
-        };
+        let config = parse_opaque(index, &c.source, &opaque.parameters.0)?;
         out.push(Applicable {
             index,
             from_claim: c.source == "FromClaim",
-            source_kind,
+            source_kind: c.source.clone(),
             requests: c.requests.clone().unwrap_or_default(),
             config,
         });
@@ -411,6 +364,63 @@ pub(crate) fn parse_configs(
     // Stable: class before claim, list order within each.
     out.sort_by_key(|a| a.from_claim);
     Ok(out)
+}
+
+/// The parameters `value` of config `index` (from `source_kind`): a JSON
+/// object of this driver's `apiVersion` and one of its kinds.
+fn parse_opaque(
+    index: usize,
+    source_kind: &str,
+    value: &serde_json::Value,
+) -> Result<OpaqueConfig, ConfigError> {
+    let source_kind = source_kind.to_string();
+    let malformed = |reason: String| ConfigError::Malformed {
+        index,
+        source_kind: source_kind.clone(),
+        reason,
+    };
+    if !value.is_object() {
+        return Err(malformed("parameters are not a JSON object".into()));
+    }
+    let meta: TypeMeta = serde_json::from_value(value.clone())
+        .map_err(|e| malformed(format!("apiVersion/kind: {e}")))?;
+    let api_version = meta
+        .api_version
+        .ok_or_else(|| malformed("apiVersion is missing".into()))?;
+    let kind = meta
+        .kind
+        .ok_or_else(|| malformed("kind is missing".into()))?;
+    if api_version != OPAQUE_API_VERSION {
+        return Err(ConfigError::UnknownVersion {
+            index,
+            source_kind,
+            api_version,
+        });
+    }
+    let mut fields = value.clone();
+    if let Some(m) = fields.as_object_mut() {
+        m.remove("apiVersion");
+        m.remove("kind");
+    }
+    let invalid = |e: serde_json::Error| ConfigError::Invalid {
+        index,
+        source_kind: source_kind.clone(),
+        kind: kind.clone(),
+        reason: e.to_string(),
+    };
+    let config = match kind.as_str() {
+        "GpuConfig" => OpaqueConfig::Gpu(serde_json::from_value(fields).map_err(invalid)?),
+        "MigConfig" => OpaqueConfig::Mig(serde_json::from_value(fields).map_err(invalid)?),
+        "MpsConfig" => OpaqueConfig::Mps(serde_json::from_value(fields).map_err(invalid)?),
+        _ => {
+            return Err(ConfigError::UnknownKind {
+                index,
+                source_kind,
+                kind,
+            });
+        }
+    };
+    Ok(config)
 }
 
 /// The effective driver capabilities of one device, or a config that does not

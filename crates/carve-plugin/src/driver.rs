@@ -41,6 +41,7 @@ pub(crate) use plan::plan_on_simulated_node;
 pub use recovery::RecoveryReport;
 
 use crate::checkpoint::CheckpointBody;
+use crate::claim::ClaimRef;
 use crate::config::{GpuPolicy, PluginConfig};
 use crate::driver_root::NodeDriver;
 use crate::error::PluginError;
@@ -119,6 +120,14 @@ impl std::fmt::Debug for Driver {
     }
 }
 
+/// What the kubelet asks of a claim, as [`Driver::observe`] logs and
+/// measures it.
+#[derive(Debug, Clone, Copy)]
+enum ClaimOp {
+    Prepare,
+    Unprepare,
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
     tokio::task::spawn_blocking(f)
         .await
@@ -140,55 +149,15 @@ impl Driver {
             None => backend,
         };
         let b = backend.clone();
-        let policies: BTreeMap<u32, GpuPolicy> = config.gpu_policy.clone();
-        let default = config.default_policy;
-        let inv = blocking(
-            move || -> Result<Vec<(GpuInfo, Vec<MigProfile>)>, PluginError> {
-                let mut out = Vec::new();
-                for g in b.gpus().map_err(|source| PluginError::Backend {
-                    op: "list GPUs".into(),
-                    source,
-                })? {
-                    // A GPU whose MIG data cannot be read (an NVML without the
-                    // MIG calls, inconsistent profiles) is served whole: one
-                    // error for it, no MIG devices, the other GPUs unaffected.
-                    let profiles = if g.mig_capable {
-                        b.profiles(g.index).unwrap_or_else(|error| {
-                            tracing::error!(gpu.index = g.index, gpu.uuid = %g.uuid, %error, "no MIG devices for this GPU");
-                            Vec::new()
-                        })
-                    } else {
-                        Vec::new()
-                    };
-                    out.push((g, profiles));
-                }
-                Ok(out)
-            },
-        )
-        .await
-        .map_err(|reason| PluginError::Task {
-            what: "GPU inventory",
-            reason,
-        })??;
-        let gpus: BTreeMap<u32, Arc<Gpu>> = inv
-            .into_iter()
-            .map(|(info, profiles)| {
-                let policy = policies.get(&info.index).copied().unwrap_or(default);
-                (info.index, Arc::new(Gpu::new(info, profiles, policy)))
-            })
-            .collect();
-        let boot_id = std::fs::read_to_string(&config.boot_id_path)
-            .map_err(|source| PluginError::Io {
-                what: "reading boot id",
-                path: config.boot_id_path.clone(),
-                source,
-            })?
-            .trim()
-            .to_string();
-        let version = gpus.values().next().map(|g| g.info.driver_version.clone());
-        let needs_caps = gpus.values().any(|g| g.info.mig_capable);
-        let node_driver = NodeDriver::discover(&config.driver, version.as_deref());
-        log_driver(&node_driver, needs_caps, None);
+        let inventory = blocking(move || read_inventory(&*b))
+            .await
+            .map_err(|reason| PluginError::Task {
+                what: "GPU inventory",
+                reason,
+            })??;
+        let gpus = with_policies(inventory, &config);
+        let boot_id = read_boot_id(&config)?;
+        let node_driver = discover_node_driver(&config, &gpus);
         Ok(Self {
             node_driver: std::sync::RwLock::new(Arc::new(node_driver)),
             config: Arc::new(config),
@@ -206,6 +175,38 @@ impl Driver {
             status_writes: std::sync::Mutex::default(),
             api_calls: Arc::new(tokio::sync::Semaphore::new(API_CONCURRENCY)),
         })
+    }
+
+    /// The outcome `r` of `op` on claim `c`, as the kubelet asked for it
+    /// at `started`: a failure logged, the call's duration and outcome
+    /// recorded in the metrics.
+    fn observe<T>(
+        &self,
+        op: ClaimOp,
+        c: &ClaimRef,
+        r: &Result<T, ClaimError>,
+        started: std::time::Instant,
+    ) {
+        if let Err(e) = r {
+            match op {
+                ClaimOp::Prepare => {
+                    tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "prepare failed");
+                }
+                ClaimOp::Unprepare => {
+                    tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "unprepare failed");
+                }
+            }
+        }
+        if let Some(m) = &self.config.metrics {
+            let outcome = r
+                .as_ref()
+                .map(|_| ())
+                .map_err(crate::metrics::failure_reason);
+            match op {
+                ClaimOp::Prepare => m.observe_prepare(started.elapsed(), outcome),
+                ClaimOp::Unprepare => m.observe_unprepare(started.elapsed(), outcome),
+            }
+        }
     }
 
     /// The configuration.
@@ -257,4 +258,68 @@ impl Driver {
             .map(|(i, g)| (*i, g.info.pci_bus_id.clone()))
             .collect()
     }
+}
+
+/// The GPUs and the MIG profiles of each, from NVML. Blocking.
+///
+/// A GPU whose MIG data cannot be read (an NVML without the MIG calls,
+/// inconsistent profiles) is served whole: one error for it, no MIG
+/// devices, the other GPUs unaffected.
+fn read_inventory(b: &dyn GpuBackend) -> Result<Vec<(GpuInfo, Vec<MigProfile>)>, PluginError> {
+    let gpus = b.gpus().map_err(|source| PluginError::Backend {
+        op: "list GPUs".into(),
+        source,
+    })?;
+    let mut out = Vec::new();
+    for g in gpus {
+        let profiles = if g.mig_capable {
+            b.profiles(g.index).unwrap_or_else(|error| {
+                tracing::error!(gpu.index = g.index, gpu.uuid = %g.uuid, %error, "no MIG devices for this GPU");
+                Vec::new()
+            })
+        } else {
+            Vec::new()
+        };
+        out.push((g, profiles));
+    }
+    Ok(out)
+}
+
+/// The GPUs by index, each with its MIG policy from `config` (its own, or
+/// the default).
+fn with_policies(
+    inventory: Vec<(GpuInfo, Vec<MigProfile>)>,
+    config: &PluginConfig,
+) -> BTreeMap<u32, Arc<Gpu>> {
+    inventory
+        .into_iter()
+        .map(|(info, profiles)| {
+            let policy = config
+                .gpu_policy
+                .get(&info.index)
+                .copied()
+                .unwrap_or(config.default_policy);
+            (info.index, Arc::new(Gpu::new(info, profiles, policy)))
+        })
+        .collect()
+}
+
+/// This boot's id, from [`PluginConfig::boot_id_path`].
+fn read_boot_id(config: &PluginConfig) -> Result<String, PluginError> {
+    let id = std::fs::read_to_string(&config.boot_id_path).map_err(|source| PluginError::Io {
+        what: "reading boot id",
+        path: config.boot_id_path.clone(),
+        source,
+    })?;
+    Ok(id.trim().to_string())
+}
+
+/// The NVIDIA driver's files on this node, for the version the GPUs report;
+/// what it could not find logged (see [`log_driver`]).
+fn discover_node_driver(config: &PluginConfig, gpus: &BTreeMap<u32, Arc<Gpu>>) -> NodeDriver {
+    let version = gpus.values().next().map(|g| g.info.driver_version.clone());
+    let needs_caps = gpus.values().any(|g| g.info.mig_capable);
+    let node_driver = NodeDriver::discover(&config.driver, version.as_deref());
+    log_driver(&node_driver, needs_caps, None);
+    node_driver
 }

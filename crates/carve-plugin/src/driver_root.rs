@@ -350,136 +350,37 @@ fn soname_links(
 /// No `libcuda.so.<version>`, or the library directory is unreadable.
 pub fn discover(cfg: &DriverRootConfig, version: &str) -> Result<DriverFiles, DriverRootError> {
     let root = &cfg.container_root;
-    let host = &cfg.host_root;
-    let libcuda_name = format!("libcuda.so.{version}");
-    let candidates: Vec<PathBuf> = LIB_DIRS
-        .iter()
-        .map(|d| root.join(d).join(&libcuda_name))
-        .collect();
-    let Some(libcuda) = candidates.iter().find(|p| p.is_file()).cloned() else {
-        let looked: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
-        return Err(DriverRootError::NoLibcuda {
-            root: root.clone(),
-            version: version.to_string(),
-            looked: looked.join(", "),
-        });
-    };
+    let libcuda = find_libcuda(root, version)?;
     let dir = libcuda.parent().unwrap_or(root).to_path_buf();
-    let dir_rel = rel(root, &dir).to_path_buf();
-    let lib_dir = Path::new("/").join(&dir_rel).display().to_string();
-    let host_of = |p: &Path| host.join(rel(root, p)).display().to_string();
-    let container_of = |p: &Path| Path::new("/").join(rel(root, p)).display().to_string();
-    let bind = |p: &Path| Mount {
-        host_path: host_of(p),
-        container_path: container_of(p),
-        options: ro_options(),
+    let roots = Roots {
+        root,
+        host: &cfg.host_root,
     };
+    let lib_dir = roots.container_of(&dir);
 
-    // Libraries: every regular file `*.so.<version>` beside libcuda.
-    let suffix = format!(".so.{version}");
-    let mut libs: Vec<String> = std::fs::read_dir(&dir)
-        .map_err(io(&dir))?
-        .flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(&suffix))
-        .collect();
-    libs.sort();
-    let mut mounts: Vec<Mount> = libs.iter().map(|l| bind(&dir.join(l))).collect();
+    let libs = driver_libraries(&dir, version)?;
+    let mut mounts: Vec<Mount> = libs.iter().map(|l| roots.bind(&dir.join(l))).collect();
     let links = soname_links(&dir, &libs)?;
-    let mut hooks = Vec::new();
-    match &cfg.nvidia_cdi_hook {
+    let hooks = match &cfg.nvidia_cdi_hook {
         None => {
             // The loader finds each soname at its path in the library directory.
-            for (link, _, lib) in &links {
-                mounts.push(Mount {
-                    host_path: host_of(&dir.join(lib)),
-                    container_path: format!("{lib_dir}/{link}"),
-                    options: ro_options(),
-                });
-            }
+            mounts.extend(links.iter().map(|(link, _, lib)| Mount {
+                host_path: roots.host_of(&dir.join(lib)),
+                container_path: format!("{lib_dir}/{link}"),
+                options: ro_options(),
+            }));
+            Vec::new()
         }
-        Some(hook) => {
-            let path = hook.display().to_string();
-            let h = |args: Vec<String>| Hook {
-                hook_name: "createContainer".into(),
-                path: path.clone(),
-                args: std::iter::once("nvidia-cdi-hook".to_string())
-                    .chain(args)
-                    .collect(),
-                env: Vec::new(),
-                timeout: None,
-            };
-            if !links.is_empty() {
-                let mut args = vec!["create-symlinks".to_string()];
-                for (link, target, _) in &links {
-                    args.push("--link".into());
-                    args.push(format!("{target}::{lib_dir}/{link}"));
-                }
-                hooks.push(h(args));
-            }
-            hooks.push(h(vec![
-                "enable-cuda-compat".into(),
-                format!("--host-driver-version={version}"),
-            ]));
-            hooks.push(h(vec![
-                "update-ldcache".into(),
-                "--folder".into(),
-                lib_dir.clone(),
-            ]));
-            hooks.push(h(vec!["disable-device-node-modification".into()]));
-        }
-    }
-    // Utilities: the first of each name on the search path.
-    for b in BINARIES {
-        if let Some(p) = BIN_DIRS
-            .iter()
-            .map(|d| root.join(d).join(b))
-            .find(|p| p.is_file())
-        {
-            mounts.push(bind(&p));
-        }
-    }
-    // GSP firmware.
-    for fw_dir in ["lib/firmware/nvidia", "usr/lib/firmware/nvidia"] {
-        let d = root.join(fw_dir).join(version);
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        let mut fw: Vec<PathBuf> = rd
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name().is_some_and(|n| {
-                    let n = n.to_string_lossy();
-                    n.starts_with("gsp_") && n.ends_with(".bin")
-                })
-            })
-            .collect();
-        fw.sort();
-        mounts.extend(fw.iter().map(|p| bind(p)));
-    }
-    for s in SOCKETS {
-        let p = root.join(s);
-        if std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_socket()) {
-            let mut m = bind(&p);
-            m.options.push("noexec".into());
-            mounts.push(m);
-        }
-    }
-    for c in CONFIGS {
-        let p = root.join(c);
-        if p.is_file() {
-            mounts.push(bind(&p));
-        }
-    }
-    // Device nodes: the driver root's `/dev` where it has the control node
-    // (a driver container's), else the node's.
-    let (dev_root, host_dev_root) = if root.join("dev/nvidiactl").exists() {
-        (root.clone(), host.clone())
-    } else {
-        (PathBuf::from("/"), PathBuf::from("/"))
+        Some(hook) => cdi_hooks(hook, &links, version, &lib_dir),
     };
+    mounts.extend(other_files(root, version).iter().map(|p| roots.bind(p)));
+    mounts.extend(sockets(root).iter().map(|p| {
+        let mut m = roots.bind(p);
+        m.options.push("noexec".into());
+        m
+    }));
+    mounts.extend(configs(root).iter().map(|p| roots.bind(p)));
+    let (dev_root, host_dev_root) = dev_roots(cfg);
     let device_nodes = CONTROL_NODES
         .iter()
         .filter_map(|n| char_node(&dev_root, &host_dev_root, n))
@@ -501,6 +402,173 @@ pub fn discover(cfg: &DriverRootConfig, version: &str) -> Result<DriverFiles, Dr
         dev_root,
         host_dev_root,
     })
+}
+
+/// Where the device nodes are, as the plugin sees them and on the host:
+/// the driver root's `/dev` where it has the control node (a driver
+/// container's), else the node's.
+fn dev_roots(cfg: &DriverRootConfig) -> (PathBuf, PathBuf) {
+    if cfg.container_root.join("dev/nvidiactl").exists() {
+        (cfg.container_root.clone(), cfg.host_root.clone())
+    } else {
+        (PathBuf::from("/"), PathBuf::from("/"))
+    }
+}
+
+/// The driver root as the plugin sees it and as the host does: a path
+/// found under the one, written into specs under the other.
+#[derive(Debug, Clone, Copy)]
+struct Roots<'a> {
+    root: &'a Path,
+    host: &'a Path,
+}
+
+impl Roots<'_> {
+    fn host_of(&self, p: &Path) -> String {
+        self.host.join(rel(self.root, p)).display().to_string()
+    }
+
+    fn container_of(&self, p: &Path) -> String {
+        Path::new("/").join(rel(self.root, p)).display().to_string()
+    }
+
+    /// `p` bind-mounted read-only at the same path in the container.
+    fn bind(&self, p: &Path) -> Mount {
+        Mount {
+            host_path: self.host_of(p),
+            container_path: self.container_of(p),
+            options: ro_options(),
+        }
+    }
+}
+
+/// `libcuda.so.<version>` in the first library directory under `root`
+/// that has it.
+fn find_libcuda(root: &Path, version: &str) -> Result<PathBuf, DriverRootError> {
+    let libcuda_name = format!("libcuda.so.{version}");
+    let candidates: Vec<PathBuf> = LIB_DIRS
+        .iter()
+        .map(|d| root.join(d).join(&libcuda_name))
+        .collect();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            let looked: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+            DriverRootError::NoLibcuda {
+                root: root.to_path_buf(),
+                version: version.to_string(),
+                looked: looked.join(", "),
+            }
+        })
+}
+
+/// Libraries: every regular file `*.so.<version>` in `dir` (beside
+/// libcuda), by name.
+fn driver_libraries(dir: &Path, version: &str) -> Result<Vec<String>, DriverRootError> {
+    let suffix = format!(".so.{version}");
+    let mut libs: Vec<String> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(&suffix))
+        .collect();
+    libs.sort();
+    Ok(libs)
+}
+
+/// The Container Toolkit's hooks, as NVIDIA's specs run them: the soname
+/// `links` created, CUDA compat enabled, the ld.so cache updated for
+/// `lib_dir`, device-node modification disabled.
+fn cdi_hooks(
+    hook: &Path,
+    links: &[(String, String, String)],
+    version: &str,
+    lib_dir: &str,
+) -> Vec<Hook> {
+    let path = hook.display().to_string();
+    let h = |args: Vec<String>| Hook {
+        hook_name: "createContainer".into(),
+        path: path.clone(),
+        args: std::iter::once("nvidia-cdi-hook".to_string())
+            .chain(args)
+            .collect(),
+        env: Vec::new(),
+        timeout: None,
+    };
+    let mut hooks = Vec::new();
+    if !links.is_empty() {
+        let mut args = vec!["create-symlinks".to_string()];
+        for (link, target, _) in links {
+            args.push("--link".into());
+            args.push(format!("{target}::{lib_dir}/{link}"));
+        }
+        hooks.push(h(args));
+    }
+    hooks.push(h(vec![
+        "enable-cuda-compat".into(),
+        format!("--host-driver-version={version}"),
+    ]));
+    hooks.push(h(vec![
+        "update-ldcache".into(),
+        "--folder".into(),
+        lib_dir.to_string(),
+    ]));
+    hooks.push(h(vec!["disable-device-node-modification".into()]));
+    hooks
+}
+
+/// The utilities (the first of each name on the search path) and the GSP
+/// firmware of `version` under `root`.
+fn other_files(root: &Path, version: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = BINARIES
+        .iter()
+        .filter_map(|b| {
+            BIN_DIRS
+                .iter()
+                .map(|d| root.join(d).join(b))
+                .find(|p| p.is_file())
+        })
+        .collect();
+    for fw_dir in ["lib/firmware/nvidia", "usr/lib/firmware/nvidia"] {
+        let d = root.join(fw_dir).join(version);
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        let mut fw: Vec<PathBuf> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().is_some_and(|n| {
+                    let n = n.to_string_lossy();
+                    n.starts_with("gsp_") && n.ends_with(".bin")
+                })
+            })
+            .collect();
+        fw.sort();
+        out.extend(fw);
+    }
+    out
+}
+
+/// The driver's sockets under `root` that exist.
+fn sockets(root: &Path) -> Vec<PathBuf> {
+    SOCKETS
+        .iter()
+        .map(|s| root.join(s))
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket()))
+        .collect()
+}
+
+/// The driver's configuration files under `root` that exist.
+fn configs(root: &Path) -> Vec<PathBuf> {
+    CONFIGS
+        .iter()
+        .map(|c| root.join(c))
+        .filter(|p| p.is_file())
+        .collect()
 }
 
 /// The node's driver as the last discovery found it (shared by prepares).

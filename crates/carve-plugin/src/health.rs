@@ -169,6 +169,31 @@ struct Looper {
 }
 
 impl Looper {
+    /// Round after round until `shared` says stop: the time of each check
+    /// kept, a changed state published on `tx` as the next generation.
+    /// Blocking.
+    fn run(mut self, shared: &Shared, tx: &watch::Sender<HealthSnapshot>) {
+        while !shared.stop.load(Ordering::SeqCst) {
+            let changed = self.round(self.poll);
+            let now = SystemTime::now();
+            shared.last_check.store(unix_secs(now), Ordering::SeqCst);
+            if shared.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            if changed {
+                self.generation += 1;
+                let snap = self.snapshot(now);
+                tracing::info!(
+                    generation = snap.generation,
+                    tainted = snap.taints.len(),
+                    "GPU health changed"
+                );
+                tx.send_replace(snap);
+            }
+        }
+        tracing::info!("health monitor stopped");
+    }
+
     /// One round: wait for events, probe every GPU, fold, expire. Returns
     /// whether health or taints changed.
     fn round(&mut self, wait: Duration) -> bool {
@@ -318,28 +343,7 @@ impl HealthMonitor {
         let (tx, rx) = watch::channel(first.0);
         let task = {
             let shared = shared.clone();
-            let mut looper = looper;
-            tokio::task::spawn_blocking(move || {
-                while !shared.stop.load(Ordering::SeqCst) {
-                    let changed = looper.round(looper.poll);
-                    let now = SystemTime::now();
-                    shared.last_check.store(unix_secs(now), Ordering::SeqCst);
-                    if shared.stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    if changed {
-                        looper.generation += 1;
-                        let snap = looper.snapshot(now);
-                        tracing::info!(
-                            generation = snap.generation,
-                            tainted = snap.taints.len(),
-                            "GPU health changed"
-                        );
-                        tx.send_replace(snap);
-                    }
-                }
-                tracing::info!("health monitor stopped");
-            })
+            tokio::task::spawn_blocking(move || looper.run(&shared, &tx))
         };
         Ok(HealthHandle {
             rx,

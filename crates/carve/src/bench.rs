@@ -1,6 +1,9 @@
 //! `carve bench ...`: figures measured side by side with their targets and
-//! baselines. Never timed tests: these print.
+//! baselines. Never timed tests: these print. The benchmarks live with what
+//! they measure (`carve_kube::bench`, `carve_frag`) or in `carve_bench`;
+//! this file parses their flags, calls them and prints what they return.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
@@ -13,7 +16,7 @@ pub enum BenchCommand {
     Slices(SlicesBench),
     /// Driver overhead per prepare/unprepare, concurrent throughput, plugin RSS and
     /// time to registration, with the NVML simulator.
-    Prepare(crate::bench_prepare::PrepareBench),
+    Prepare(PrepareBench),
     /// Replay the Alibaba openb trace on MIG GPUs and compare device-order policies
     /// (NVIDIA's name order, first-fit, best-fit, random, carve, a re-packing
     /// heuristic) against the exact per-node optimum and inside a modelled
@@ -90,6 +93,56 @@ pub struct FragBench {
     churn: bool,
 }
 
+#[derive(Debug, Clone, clap::Args)]
+pub struct PrepareBench {
+    /// Prepare+unprepare cycles: timed one at a time, then again concurrently,
+    /// and driven through the plugin process for its RSS.
+    #[arg(long, default_value_t = 1000)]
+    pub iterations: u32,
+    /// Simulated GPUs on the node.
+    #[arg(long, default_value_t = 8)]
+    pub gpus: u32,
+    /// Claims prepared at once in the throughput run (at most one per
+    /// smallest-profile placement of the node: 56 on 8 H100s).
+    #[arg(long, default_value_t = 56)]
+    pub concurrency: u32,
+    /// GPU model of the simulated node (MIG-capable).
+    #[arg(long, default_value = "h100-80gb")]
+    pub model: String,
+    /// Skip the plugin-process part (RSS, time to registration).
+    #[arg(long)]
+    pub skip_rss: bool,
+    /// The NVML simulator library (default: next to this executable).
+    #[arg(long)]
+    pub nvml_sim_lib: Option<PathBuf>,
+    /// Where the plugin's files go (checkpoint, sockets): the node's disk by
+    /// default; `/dev/shm` takes disk flushes out of the figures.
+    #[arg(long, default_value = "/tmp")]
+    pub files_dir: PathBuf,
+    /// Where the CDI specs go: a tmpfs (`/dev/shm` where the host has it) by
+    /// default, as `/var/run/cdi`, where the chart puts them, is on a node.
+    #[arg(long)]
+    pub cdi_dir: Option<PathBuf>,
+    /// Run without a pod UID (no host lock, no checkpoint reread per
+    /// operation), unlike the Helm chart.
+    #[arg(long)]
+    pub without_pod_uid: bool,
+}
+
+impl PrepareBench {
+    fn options(&self) -> carve_bench::prepare::Options {
+        carve_bench::prepare::Options {
+            iterations: self.iterations,
+            gpus: self.gpus,
+            concurrency: self.concurrency,
+            model: self.model.clone(),
+            files_dir: self.files_dir.clone(),
+            cdi_dir: self.cdi_dir.clone(),
+            without_pod_uid: self.without_pod_uid,
+        }
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct SlicesBench {
     /// GPU model of the node.
@@ -124,9 +177,50 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
             println!("{figures}");
             Ok(ExitCode::SUCCESS)
         }
-        BenchCommand::Prepare(a) => crate::bench_prepare::run(&a),
+        BenchCommand::Prepare(a) => prepare(&a),
         BenchCommand::Fragmentation(a) => fragmentation(a),
     }
+}
+
+/// `carve bench prepare`: the in-process part on the plugin's runtime, then
+/// (unless `--skip-rss`) the plugin process, this executable as
+/// `carve kubelet-plugin`; fails when a target was missed.
+fn prepare(a: &PrepareBench) -> anyhow::Result<ExitCode> {
+    use carve_bench::prepare;
+    let opts = a.options();
+    let model = prepare::check(&opts)?;
+    let lib = crate::simulate::find_sim_lib(a.nvml_sim_lib.as_deref())?;
+    let carve = std::env::current_exe().context("locating this executable")?;
+    // Measured first, while this process is small.
+    let help_kib = if a.skip_rss {
+        0
+    } else {
+        prepare::help_peak_kib(&carve)?
+    };
+    // The driver runs on the plugin's runtime; the stand-in on its own.
+    let rt = crate::plugin::runtime()?;
+    let stand_in = prepare::stand_in_runtime()?;
+    println!("{}", prepare::title(&opts, model, &lib));
+    let r = rt
+        .block_on(prepare::in_process(&opts, model, &lib, stand_in.handle()))
+        .context("in-process part")?;
+    let mut report = r.report(&opts);
+    print!("{}{}", prepare::table_header(), report.rows);
+    if !a.skip_rss {
+        let f = rt
+            .block_on(prepare::plugin_process(
+                &opts, model, &lib, &carve, help_kib,
+            ))
+            .context("plugin-process part (RSS, time to registration; --skip-rss skips it)")?;
+        let p = f.report();
+        report.met &= p.met;
+        print!("{}", p.rows);
+    }
+    Ok(if report.met {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn cluster_shapes(v: &[String]) -> anyhow::Result<Vec<carve_frag::ClusterShape>> {
@@ -148,6 +242,28 @@ fn cluster_shapes(v: &[String]) -> anyhow::Result<Vec<carve_frag::ClusterShape>>
         .collect()
 }
 
+/// `--churn`: Poisson arrivals with departures, on the first trace.
+fn fragmentation_churn(
+    a: FragBench,
+    seeds: Vec<u64>,
+    policies: Vec<carve_frag::Policy>,
+) -> anyhow::Result<ExitCode> {
+    let mut cfg = carve_frag::BenchConfig::new(&a.trace[0]);
+    cfg.nodes = a.nodes;
+    cfg.seeds = seeds;
+    cfg.model = a.model;
+    cfg.sample_nodes_pct = a.sample_nodes;
+    cfg.nodes_to_score_pct = a.nodes_to_score_pct;
+    cfg.policies = policies;
+    cfg.threads = a.threads;
+    let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
+    print!("{report}");
+    if let Some(csv) = &a.csv {
+        report.write_csv(csv)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
     let seeds = carve_frag::parse_seeds(&a.seeds)?;
     let policies = if a.policies.is_empty() {
@@ -156,20 +272,7 @@ fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
         a.policies.clone()
     };
     if a.churn {
-        let mut cfg = carve_frag::BenchConfig::new(&a.trace[0]);
-        cfg.nodes = a.nodes;
-        cfg.seeds = seeds;
-        cfg.model = a.model;
-        cfg.sample_nodes_pct = a.sample_nodes;
-        cfg.nodes_to_score_pct = a.nodes_to_score_pct;
-        cfg.policies = policies;
-        cfg.threads = a.threads;
-        let report = carve_frag::run_churn(&cfg, &carve_frag::ChurnConfig::default())?;
-        print!("{report}");
-        if let Some(csv) = &a.csv {
-            report.write_csv(csv)?;
-        }
-        return Ok(ExitCode::SUCCESS);
+        return fragmentation_churn(a, seeds, policies);
     }
     let mut cfg = carve_frag::SuiteConfig::new(a.trace.clone());
     cfg.nodes = a.nodes;
@@ -207,4 +310,15 @@ fn fragmentation(a: FragBench) -> anyhow::Result<ExitCode> {
         run.report.write_csv(path)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_missing_simulator_library_is_named() {
+        let e = crate::simulate::find_sim_lib(Some(std::path::Path::new("/nonexistent/lib.so")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/lib.so"), "{e}");
+    }
 }

@@ -5,7 +5,6 @@
 
 mod advise;
 mod bench;
-mod bench_prepare;
 mod explain;
 mod plugin;
 mod render;
@@ -303,41 +302,57 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Apiserver(a) => {
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(async {
-                let opts = carve_apiserver::Options {
-                    addr: a.addr,
-                    version: a.kube_version,
-                };
-                // Bound first, so the address printed is the one that serves
-                // (`--addr 127.0.0.1:0` gets a port from the kernel).
-                let server = carve_apiserver::ApiServer::start(opts).await?;
-                eprintln!(
-                    "carve apiserver: serving Kubernetes {} on http://{}",
-                    a.kube_version,
-                    server.addr()
-                );
-                let _ = tokio::signal::ctrl_c().await;
-                server.shutdown().await;
-                anyhow::Ok(())
-            })?;
+            apiserver(&a)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Advise(a) => {
-            let spec = find_model(&a.model)?.spec();
-            let sizes = match &a.trace {
-                Some(t) => carve_frag::trace::load_tasks(t)?
-                    .iter()
-                    .filter(|r| r.num_gpu == 1 && r.gpu_milli > 0 && r.gpu_milli < 1000)
-                    .map(|r| f64::from(r.gpu_milli) / 1000.0)
-                    .collect(),
-                None => a.sizes.clone(),
-            };
-            let advice = advise::advise(&spec, a.contention, a.fault_isolation, &sizes, a.bursty)?;
-            print!("{advice}");
+            print!("{}", advice(&a)?);
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `carve apiserver`: the stand-in served until Ctrl-C.
+fn apiserver(a: &ApiserverArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let opts = carve_apiserver::Options {
+            addr: a.addr,
+            version: a.kube_version,
+        };
+        // Bound first, so the address printed is the one that serves
+        // (`--addr 127.0.0.1:0` gets a port from the kernel).
+        let server = carve_apiserver::ApiServer::start(opts).await?;
+        eprintln!(
+            "carve apiserver: serving Kubernetes {} on http://{}",
+            a.kube_version,
+            server.addr()
+        );
+        let _ = tokio::signal::ctrl_c().await;
+        server.shutdown().await;
+        anyhow::Ok(())
+    })
+}
+
+/// `carve advise`: the advice for the request sizes given, or those of a
+/// trace's fractional single-GPU tasks.
+fn advice(a: &AdviseArgs) -> anyhow::Result<advise::Advice> {
+    let spec = find_model(&a.model)?.spec();
+    let sizes = match &a.trace {
+        Some(t) => carve_frag::trace::load_tasks(t)?
+            .iter()
+            .filter(|r| r.num_gpu == 1 && r.gpu_milli > 0 && r.gpu_milli < 1000)
+            .map(|r| f64::from(r.gpu_milli) / 1000.0)
+            .collect(),
+        None => a.sizes.clone(),
+    };
+    Ok(advise::advise(
+        &spec,
+        a.contention,
+        a.fault_isolation,
+        &sizes,
+        a.bursty,
+    )?)
 }
 
 fn find_model(key: &str) -> anyhow::Result<&'static carve_model::GpuModel> {

@@ -208,31 +208,7 @@ impl Rewriter {
                         return Ok(());
                     }
                     let h = std::mem::take(&mut self.input);
-                    let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
-                    let (ty, flags) = (h[3], h[4]);
-                    let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
-                    if ty == TYPE_HEADERS || ty == TYPE_CONTINUATION {
-                        if self.block.len() + len > MAX_HEADER_BLOCK {
-                            return Err(bad(format!("header block over {MAX_HEADER_BLOCK} bytes")));
-                        }
-                        self.state = State::Block {
-                            len,
-                            ty,
-                            flags,
-                            stream,
-                        };
-                    } else if self.open.is_some() {
-                        return Err(bad(format!(
-                            "frame type {ty:#x} inside a header block (CONTINUATION expected)"
-                        )));
-                    } else {
-                        out.extend_from_slice(&h);
-                        self.state = if len == 0 {
-                            State::Header
-                        } else {
-                            State::Pass(len)
-                        };
-                    }
+                    self.read_frame_header(&h, out)?;
                     if data.is_empty() && !matches!(self.state, State::Block { len: 0, .. }) {
                         return Ok(());
                     }
@@ -260,6 +236,40 @@ impl Rewriter {
         }
     }
 
+    /// A whole frame header `h` read: the state for its payload (a header
+    /// block fragment to collect, or bytes to pass on, the header with them).
+    fn read_frame_header(&mut self, h: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+        let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+        let (ty, flags) = (h[3], h[4]);
+        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        if ty == TYPE_HEADERS || ty == TYPE_CONTINUATION {
+            if self.block.len() + len > MAX_HEADER_BLOCK {
+                return Err(bad(format!("header block over {MAX_HEADER_BLOCK} bytes")));
+            }
+            self.state = State::Block {
+                len,
+                ty,
+                flags,
+                stream,
+            };
+        } else if self.open.is_some() {
+            return Err(bad(format!(
+                "frame type {ty:#x} inside a header block (CONTINUATION expected)"
+            )));
+        } else {
+            out.extend_from_slice(h);
+            self.state = if len == 0 {
+                State::Header
+            } else {
+                State::Pass(len)
+            };
+        }
+        Ok(())
+    }
+
+    /// A HEADERS or CONTINUATION frame's `payload`: its fragment added to
+    /// the open header block; once the block ends, rewritten and framed
+    /// again into `out`.
     fn block_frame(
         &mut self,
         payload: &[u8],
@@ -268,52 +278,74 @@ impl Rewriter {
         stream: u32,
         out: &mut Vec<u8>,
     ) -> io::Result<()> {
-        let mut p = payload;
-        if ty == TYPE_HEADERS {
-            if self.open.is_some() {
-                return Err(bad("HEADERS inside a header block"));
-            }
-            if stream == 0 {
-                return Err(bad("HEADERS on stream 0"));
-            }
-            if flags & FLAG_PADDED != 0 {
-                let (&pad, rest) = p.split_first().ok_or_else(|| bad("HEADERS padding"))?;
-                let keep = rest
-                    .len()
-                    .checked_sub(usize::from(pad))
-                    .ok_or_else(|| bad("HEADERS padding longer than the frame"))?;
-                p = &rest[..keep];
-            }
-            let priority = if flags & FLAG_PRIORITY != 0 {
-                let (pri, rest) = p
-                    .split_first_chunk::<5>()
-                    .ok_or_else(|| bad("HEADERS priority"))?;
-                p = rest;
-                Some(*pri)
-            } else {
-                None
-            };
-            self.open = Some(Open {
-                stream,
-                end_stream: flags & FLAG_END_STREAM != 0,
-                priority,
-            });
+        let fragment = if ty == TYPE_HEADERS {
+            self.open_block(payload, flags, stream)?
         } else {
             match &self.open {
-                Some(o) if o.stream == stream => {}
+                Some(o) if o.stream == stream => payload,
                 _ => return Err(bad("CONTINUATION without its HEADERS")),
             }
-        }
-        self.block.extend_from_slice(p);
+        };
+        self.block.extend_from_slice(fragment);
         if flags & FLAG_END_HEADERS == 0 {
             return Ok(());
         }
         let open = self.open.take().ok_or_else(|| bad("header block"))?;
         let block = std::mem::take(&mut self.block);
+        let fields = self.rewrite_block(&block)?;
+        self.rewritten += 1;
+        write_block(&open, &fields, out);
+        Ok(())
+    }
+
+    /// A HEADERS frame opens a header block: its padding and priority taken
+    /// off (the priority kept for the frame written again); returns its
+    /// fragment.
+    fn open_block<'p>(
+        &mut self,
+        payload: &'p [u8],
+        flags: u8,
+        stream: u32,
+    ) -> io::Result<&'p [u8]> {
+        if self.open.is_some() {
+            return Err(bad("HEADERS inside a header block"));
+        }
+        if stream == 0 {
+            return Err(bad("HEADERS on stream 0"));
+        }
+        let mut p = payload;
+        if flags & FLAG_PADDED != 0 {
+            let (&pad, rest) = p.split_first().ok_or_else(|| bad("HEADERS padding"))?;
+            let keep = rest
+                .len()
+                .checked_sub(usize::from(pad))
+                .ok_or_else(|| bad("HEADERS padding longer than the frame"))?;
+            p = &rest[..keep];
+        }
+        let priority = if flags & FLAG_PRIORITY != 0 {
+            let (pri, rest) = p
+                .split_first_chunk::<5>()
+                .ok_or_else(|| bad("HEADERS priority"))?;
+            p = rest;
+            Some(*pri)
+        } else {
+            None
+        };
+        self.open = Some(Open {
+            stream,
+            end_stream: flags & FLAG_END_STREAM != 0,
+            priority,
+        });
+        Ok(p)
+    }
+
+    /// A whole header block decoded, its `:authority` as the policy says,
+    /// and encoded again as literal fields.
+    fn rewrite_block(&mut self, block: &[u8]) -> io::Result<Vec<u8>> {
         let mut fields = Vec::new();
         let policy = &self.policy;
         self.decoder
-            .decode_with_cb(&block, |name, value| {
+            .decode_with_cb(block, |name, value| {
                 let value = if name.as_ref() == b":authority" {
                     match policy {
                         Policy::Accept
@@ -330,31 +362,34 @@ impl Rewriter {
                 encode_literal(&name, &value, &mut fields);
             })
             .map_err(|e| bad(format!("header block (HPACK): {e:?}")))?;
-        self.rewritten += 1;
-        // Re-frame: HEADERS (with priority kept) and CONTINUATIONs.
-        let pri = open.priority.map_or(0, |_| 5);
-        let first = fields.len().min(MAX_FRAME_OUT - pri);
-        let mut fl = if open.end_stream { FLAG_END_STREAM } else { 0 };
-        if open.priority.is_some() {
-            fl |= FLAG_PRIORITY;
-        }
-        if first == fields.len() {
-            fl |= FLAG_END_HEADERS;
-        }
-        frame_header(first + pri, TYPE_HEADERS, fl, open.stream, out);
-        if let Some(p) = open.priority {
-            out.extend_from_slice(&p);
-        }
-        out.extend_from_slice(&fields[..first]);
-        let mut rest = &fields[first..];
-        while !rest.is_empty() {
-            let n = rest.len().min(MAX_FRAME_OUT);
-            let fl = if n == rest.len() { FLAG_END_HEADERS } else { 0 };
-            frame_header(n, TYPE_CONTINUATION, fl, open.stream, out);
-            out.extend_from_slice(&rest[..n]);
-            rest = &rest[n..];
-        }
-        Ok(())
+        Ok(fields)
+    }
+}
+
+/// The header block `fields` of `open` framed again into `out`: HEADERS
+/// (with its priority kept) and CONTINUATIONs.
+fn write_block(open: &Open, fields: &[u8], out: &mut Vec<u8>) {
+    let pri = open.priority.map_or(0, |_| 5);
+    let first = fields.len().min(MAX_FRAME_OUT - pri);
+    let mut fl = if open.end_stream { FLAG_END_STREAM } else { 0 };
+    if open.priority.is_some() {
+        fl |= FLAG_PRIORITY;
+    }
+    if first == fields.len() {
+        fl |= FLAG_END_HEADERS;
+    }
+    frame_header(first + pri, TYPE_HEADERS, fl, open.stream, out);
+    if let Some(p) = open.priority {
+        out.extend_from_slice(&p);
+    }
+    out.extend_from_slice(&fields[..first]);
+    let mut rest = &fields[first..];
+    while !rest.is_empty() {
+        let n = rest.len().min(MAX_FRAME_OUT);
+        let fl = if n == rest.len() { FLAG_END_HEADERS } else { 0 };
+        frame_header(n, TYPE_CONTINUATION, fl, open.stream, out);
+        out.extend_from_slice(&rest[..n]);
+        rest = &rest[n..];
     }
 }
 

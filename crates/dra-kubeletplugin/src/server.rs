@@ -393,32 +393,12 @@ pub async fn serve<D: DraDriver>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Serving, Error> {
     let paths = SocketPaths::new(&options)?;
-    let serial = options.serialize.then(|| {
-        Arc::new(Serializer {
-            local: tokio::sync::Mutex::new(()),
-            file: options
-                .rolling_update_uid
-                .as_ref()
-                .map(|_| options.plugin_data_dir.join(SERIALIZE_LOCK)),
-        })
-    });
+    let serial = serializer(&options);
     let health = driver.health();
     let dra_listener = bind(&paths.dra)?;
     let (tx, rx) = watch::channel(None);
     let reg_service = RegistrationService {
-        info: reg::PluginInfo {
-            r#type: reg::DRA_PLUGIN_TYPE.into(),
-            name: options.driver_name.clone(),
-            endpoint: std::path::absolute(&paths.dra)
-                .unwrap_or_else(|_| paths.dra.clone())
-                .to_string_lossy()
-                .into_owned(),
-            supported_versions: std::iter::once(dra_v1::VERSION)
-                .chain(options.v1beta1.then_some(dra_v1beta1::VERSION))
-                .chain(health.as_ref().map(|_| hv::VERSION))
-                .map(String::from)
-                .collect(),
-        },
+        info: plugin_info(&options, &paths, health.is_some()),
         tx,
     };
     let reg_listener = match bind(&paths.registration) {
@@ -456,31 +436,75 @@ pub async fn serve<D: DraDriver>(
             reg_service,
         ))
         .serve_with_incoming_shutdown(incoming(reg_listener), stopped(stop_rx));
-    let p = paths.clone();
-    let task = tokio::spawn(async move {
-        let sd = async move {
-            shutdown.await;
-            let _ = stop_tx.send(true);
-        };
-        let (r1, r2, ()) = tokio::join!(dra, regs, sd);
-        driver.stopped().await;
-        // Own sockets only: registration first so the kubelet stops using us.
-        let _ = std::fs::remove_file(&p.registration);
-        let _ = std::fs::remove_file(&p.dra);
-        r1.map_err(|source| Error::Serve {
-            socket: p.dra.clone(),
-            source,
-        })?;
-        r2.map_err(|source| Error::Serve {
-            socket: p.registration.clone(),
-            source,
-        })?;
-        tracing::info!("plugin stopped");
-        Ok(())
-    });
+    let sd = async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    };
+    let task = tokio::spawn(serve_until_stopped(driver, paths.clone(), dra, regs, sd));
     Ok(Serving {
         paths,
         registration: Registration { rx },
         task,
     })
+}
+
+/// Prepare and unprepare calls one at a time where
+/// [`PluginOptions::serialize`] asks for it: an in-process lock, and with a
+/// rolling-update UID also a lock file the two pods take turns on.
+fn serializer(options: &PluginOptions) -> Option<Arc<Serializer>> {
+    options.serialize.then(|| {
+        Arc::new(Serializer {
+            local: tokio::sync::Mutex::new(()),
+            file: options
+                .rolling_update_uid
+                .as_ref()
+                .map(|_| options.plugin_data_dir.join(SERIALIZE_LOCK)),
+        })
+    })
+}
+
+/// What the registration service tells the kubelet: a DRA plugin of this
+/// driver at the DRA socket, with the API versions served (the health
+/// service's where `health`).
+fn plugin_info(options: &PluginOptions, paths: &SocketPaths, health: bool) -> reg::PluginInfo {
+    reg::PluginInfo {
+        r#type: reg::DRA_PLUGIN_TYPE.into(),
+        name: options.driver_name.clone(),
+        endpoint: std::path::absolute(&paths.dra)
+            .unwrap_or_else(|_| paths.dra.clone())
+            .to_string_lossy()
+            .into_owned(),
+        supported_versions: std::iter::once(dra_v1::VERSION)
+            .chain(options.v1beta1.then_some(dra_v1beta1::VERSION))
+            .chain(health.then_some(hv::VERSION))
+            .map(String::from)
+            .collect(),
+    }
+}
+
+/// The two servers until `shutdown` (which stops them) completes and they
+/// end; then the driver's [`DraDriver::stopped`], and the plugin's own
+/// sockets removed, registration first so the kubelet stops using it.
+async fn serve_until_stopped<D: DraDriver>(
+    driver: Arc<D>,
+    p: SocketPaths,
+    dra: impl Future<Output = Result<(), tonic::transport::Error>>,
+    regs: impl Future<Output = Result<(), tonic::transport::Error>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), Error> {
+    let (r1, r2, ()) = tokio::join!(dra, regs, shutdown);
+    driver.stopped().await;
+    // Own sockets only: registration first so the kubelet stops using us.
+    let _ = std::fs::remove_file(&p.registration);
+    let _ = std::fs::remove_file(&p.dra);
+    r1.map_err(|source| Error::Serve {
+        socket: p.dra.clone(),
+        source,
+    })?;
+    r2.map_err(|source| Error::Serve {
+        socket: p.registration.clone(),
+        source,
+    })?;
+    tracing::info!("plugin stopped");
+    Ok(())
 }

@@ -1,13 +1,15 @@
 //! What a container gets: the node's NVIDIA driver files (discovered, and
 //! discovered again while they are missing), the claim's CDI spec built
-//! from its record, and the device list the kubelet is answered with.
+//! from its record (device names, each device's edits), and the device list
+//! the kubelet is answered with. The spec's format and its files are
+//! [`crate::cdi`]'s.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use super::plan::Planned;
 use super::{ClaimError, Driver, blocking};
-use crate::cdi::{self, CdiDevice, CdiError, CdiSpec};
+use crate::cdi::{self, CdiDevice, CdiError, CdiSpec, ContainerEdits, DeviceNode};
 use crate::checkpoint::{ClaimRecord, DeviceRecord, PreparedKind};
 use crate::claim::PreparedDevice;
 use crate::driver_root::NodeDriver;
@@ -34,14 +36,69 @@ pub(super) fn log_driver(nd: &NodeDriver, needs_caps: bool, before: Option<&Node
     }
 }
 
+/// CDI device name of a device of a claim.
+fn device_name(claim_uid: &str, device: &str) -> Result<String, CdiError> {
+    let name = format!("{claim_uid}-{device}");
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    if !name.chars().all(ok_char) {
+        return Err(CdiError::BadName {
+            name,
+            reason: "only letters, digits, '-', '_', '.', ':' are allowed",
+        });
+    }
+    if !ends(name.chars().next()) || !ends(name.chars().last()) {
+        return Err(CdiError::BadName {
+            name,
+            reason: "must start and end with a letter or digit",
+        });
+    }
+    Ok(name)
+}
+
+/// Fully-qualified CDI id (`k8s.gpu.carve.dev/claim=<name>`).
+fn qualified(name: &str) -> String {
+    format!("{}={name}", cdi::CDI_KIND)
+}
+
+/// Container edits of one device: its GPU node, its MIG capability nodes,
+/// and `extra_env` (`NVIDIA_DRIVER_CAPABILITIES` from the claim's config). No
+/// visible-device variables: two devices' variables would overwrite each
+/// other in one container, and CUDA enumerates the devices whose nodes the
+/// container has.
+fn device_edits(
+    gpu_node: DeviceNode,
+    cap_nodes: Vec<DeviceNode>,
+    extra_env: Option<String>,
+) -> ContainerEdits {
+    let mut device_nodes = vec![gpu_node];
+    device_nodes.extend(cap_nodes);
+    ContainerEdits {
+        env: extra_env.into_iter().collect(),
+        device_nodes,
+        mounts: Vec::new(),
+        hooks: Vec::new(),
+    }
+}
+
+/// Add an MPS share's variables and pipe-directory mount to a device's edits.
+fn add_share(e: &mut ContainerEdits, share: &carve_mps::ShareEdits) {
+    e.env.extend(share.env.iter().cloned());
+    e.mounts.extend(share.mounts.iter().map(|m| cdi::Mount {
+        host_path: m.host_path.display().to_string(),
+        container_path: m.container_path.clone(),
+        options: m.options.clone(),
+    }));
+}
+
 impl Driver {
     /// The CDI device name of a prepared device: `<claim>-<device>`, and for an
     /// MPS share `<claim>-<device>-<shareID>` (one per share, since each share
     /// has its own limits).
     pub(super) fn cdi_name(rec_uid: &str, d: &DeviceRecord) -> Result<String, CdiError> {
         match (d.kind.mps(), &d.share_id) {
-            (Some(_), Some(s)) => cdi::device_name(rec_uid, &format!("{}-{s}", d.device)),
-            _ => cdi::device_name(rec_uid, &d.device),
+            (Some(_), Some(s)) => device_name(rec_uid, &format!("{}-{s}", d.device)),
+            _ => device_name(rec_uid, &d.device),
         }
     }
 
@@ -53,7 +110,7 @@ impl Driver {
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
                 cdi_device_ids: Self::cdi_name(&rec.uid, d)
-                    .map(|n| vec![cdi::qualified(&n)])
+                    .map(|n| vec![qualified(&n)])
                     .unwrap_or_default(),
                 share_id: d.share_id.clone(),
             })
@@ -92,13 +149,13 @@ impl Driver {
                     caps.push(crate::driver_root::cap_node(major, *minor, mode));
                 }
             }
-            let mut container_edits = cdi::device_edits(
+            let mut container_edits = device_edits(
                 files.gpu_node(d.gpu_minor),
                 caps,
                 d.capabilities_env.clone(),
             );
             if let Some(e) = d.kind.mps().and_then(|s| s.edits.as_ref()) {
-                cdi::add_share(&mut container_edits, e);
+                add_share(&mut container_edits, e);
             }
             devs.push(CdiDevice {
                 name,
@@ -273,5 +330,38 @@ mod tests {
             d[0].cdi_device_ids,
             ["k8s.gpu.carve.dev/claim=u-1-gpu-2-mig-1g10gb-3"]
         );
+    }
+
+    #[test]
+    fn mig_edits_and_names() {
+        let e = device_edits(
+            DeviceNode::path("/dev/nvidia3".into()),
+            vec![
+                crate::driver_root::cap_node(236, 31, 0o444),
+                crate::driver_root::cap_node(236, 32, 0o444),
+            ],
+            None,
+        );
+        let paths: Vec<_> = e.device_nodes.iter().map(|d| d.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/dev/nvidia3",
+                "/dev/nvidia-caps/nvidia-cap31",
+                "/dev/nvidia-caps/nvidia-cap32"
+            ]
+        );
+        let v = serde_json::to_value(&e.device_nodes[1]).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"path": "/dev/nvidia-caps/nvidia-cap31", "type": "c", "major": 236, "minor": 31, "fileMode": 292})
+        );
+        assert!(e.env.is_empty());
+        let n = device_name("0f7c-11", "gpu-0-mig-1g10gb-3").unwrap();
+        assert_eq!(
+            qualified(&n),
+            "k8s.gpu.carve.dev/claim=0f7c-11-gpu-0-mig-1g10gb-3"
+        );
+        assert!(device_name("a/b", "gpu-0").is_err());
     }
 }

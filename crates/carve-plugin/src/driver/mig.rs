@@ -89,43 +89,60 @@ fn check_live<'r>(
                     });
                 }
             }
-            PreparedKind::Mig {
-                profile,
-                profile_id,
-                placement,
-                mps,
-                ..
-            } => match gpu.policy {
-                GpuPolicy::Dynamic => {
-                    let shared = mps.is_some() && shared(d);
-                    if let Some(i) = instances.iter().find(|i| {
-                        i.placement.overlaps(*placement)
-                            && !(shared && i.placement == *placement && i.profile_id == *profile_id)
-                    }) {
-                        return Err(ClaimError::Occupied {
-                            device: d.device.clone(),
-                            gpu: g,
-                            placement: *placement,
-                            by: format!("{} that carve does not know", describe(i, &gpu.profiles)),
-                        });
-                    }
-                }
-                GpuPolicy::Static => {
-                    let exists = instances.iter().any(|i| {
-                        i.placement == *placement
-                            && i.profile_id == *profile_id
-                            && !i.compute_instances.is_empty()
-                    });
-                    if !exists {
-                        return Err(ClaimError::StaticMissing {
-                            device: d.device.clone(),
-                            gpu: g,
-                            profile: profile.clone(),
-                            placement: *placement,
-                        });
-                    }
-                }
-            },
+            PreparedKind::Mig { .. } => check_live_mig(d, instances, gpu, &shared)?,
+        }
+    }
+    Ok(())
+}
+
+/// [`check_live`] of MIG device `d` on `gpu`, whose instances are
+/// `instances`.
+fn check_live_mig(
+    d: &DeviceRecord,
+    instances: &[GpuInstanceInfo],
+    gpu: &Gpu,
+    shared: impl Fn(&DeviceRecord) -> bool,
+) -> Result<(), ClaimError> {
+    let PreparedKind::Mig {
+        profile,
+        profile_id,
+        placement,
+        mps,
+        ..
+    } = &d.kind
+    else {
+        return Ok(());
+    };
+    let g = d.gpu_index;
+    match gpu.policy {
+        GpuPolicy::Dynamic => {
+            let shared = mps.is_some() && shared(d);
+            if let Some(i) = instances.iter().find(|i| {
+                i.placement.overlaps(*placement)
+                    && !(shared && i.placement == *placement && i.profile_id == *profile_id)
+            }) {
+                return Err(ClaimError::Occupied {
+                    device: d.device.clone(),
+                    gpu: g,
+                    placement: *placement,
+                    by: format!("{} that carve does not know", describe(i, &gpu.profiles)),
+                });
+            }
+        }
+        GpuPolicy::Static => {
+            let exists = instances.iter().any(|i| {
+                i.placement == *placement
+                    && i.profile_id == *profile_id
+                    && !i.compute_instances.is_empty()
+            });
+            if !exists {
+                return Err(ClaimError::StaticMissing {
+                    device: d.device.clone(),
+                    gpu: g,
+                    profile: profile.clone(),
+                    placement: *placement,
+                });
+            }
         }
     }
     Ok(())
@@ -196,7 +213,9 @@ fn set_mig_modes(b: &dyn GpuBackend, mig: &MigModeChanges) -> Result<(), ClaimEr
 }
 
 /// The instances of one device (nothing for a device that is no MIG
-/// device); what it creates is pushed on `made`. Blocking.
+/// device): the instance of the MPS unit it shares where other claims
+/// share it already, else the instances it creates (pushed on `made`) or,
+/// for a static device, the ones made for it. Blocking.
 fn make_one(
     b: &dyn GpuBackend,
     d: &mut DeviceRecord,
@@ -204,6 +223,9 @@ fn make_one(
     shared: &BTreeMap<String, DeviceRecord>,
     made: &mut Vec<(u32, u32, Option<u32>)>,
 ) -> Result<(), ClaimError> {
+    if use_shared_instance(&mut d.kind, shared) {
+        return Ok(());
+    }
     let g = d.gpu_index;
     let minor = d.gpu_minor;
     let device = d.device.clone();
@@ -216,49 +238,27 @@ fn make_one(
         ci,
         mig_uuid,
         cap_minors,
-        mps,
+        ..
     } = &mut d.kind
     else {
         return Ok(());
     };
-    // An MPS share of an instance other claims already share: use it.
-    if let Some(PreparedKind::Mig {
-        gi: Some(sg),
-        ci: Some(sc),
-        mig_uuid: Some(su),
-        cap_minors: sm,
-        ..
-    }) = mps
-        .as_ref()
-        .and_then(|s| shared.get(&s.unit))
-        .map(|r| &r.kind)
-    {
-        *gi = Some(*sg);
-        *ci = Some(*sc);
-        *mig_uuid = Some(su.clone());
-        cap_minors.clone_from(sm);
-        return Ok(());
-    }
     let (gid, c) = if *create {
         create_instances(b, g, profile, *profile_id, *placement, made)?
     } else {
-        live.get(&g)
-            .and_then(|v| {
-                v.iter()
-                    .find(|i| i.placement == *placement && i.profile_id == *profile_id)
-            })
-            .and_then(|i| i.compute_instances.first().map(|c| (i.id, c.clone())))
-            .ok_or_else(|| ClaimError::StaticMissing {
+        static_instance(live, g, *profile_id, *placement).ok_or_else(|| {
+            ClaimError::StaticMissing {
                 device: device.clone(),
                 gpu: g,
                 profile: profile.clone(),
                 placement: *placement,
-            })?
+            }
+        })?
     };
-    let (cid, uuid) = (c.id, c.mig_uuid);
+    let cid = c.id;
     *gi = Some(gid);
     *ci = Some(cid);
-    let Some(uuid) = uuid else {
+    let Some(uuid) = c.mig_uuid else {
         return Err(ClaimError::Backend {
             op: format!("read MIG UUID of GPU {g} GI {gid} CI {cid}"),
             source: BackendError::NoSuch {
@@ -267,15 +267,75 @@ fn make_one(
         });
     };
     *mig_uuid = Some(uuid);
-    *cap_minors = vec![
+    *cap_minors = capability_minors(b, g, minor, gid, cid)?;
+    Ok(())
+}
+
+/// An MPS share of an instance other claims already share: that
+/// instance's ids, MIG UUID and capability minors copied into `kind`;
+/// whether it was one.
+fn use_shared_instance(kind: &mut PreparedKind, shared: &BTreeMap<String, DeviceRecord>) -> bool {
+    let PreparedKind::Mig {
+        gi,
+        ci,
+        mig_uuid,
+        cap_minors,
+        mps: Some(share),
+        ..
+    } = kind
+    else {
+        return false;
+    };
+    let Some(PreparedKind::Mig {
+        gi: Some(sg),
+        ci: Some(sc),
+        mig_uuid: Some(su),
+        cap_minors: sm,
+        ..
+    }) = shared.get(&share.unit).map(|r| &r.kind)
+    else {
+        return false;
+    };
+    *gi = Some(*sg);
+    *ci = Some(*sc);
+    *mig_uuid = Some(su.clone());
+    cap_minors.clone_from(sm);
+    true
+}
+
+/// The instance a static device names: the GPU instance of `profile_id` at
+/// `placement` on GPU `g` that is live, with its first compute instance.
+fn static_instance(
+    live: &Live,
+    g: u32,
+    profile_id: u32,
+    placement: carve_model::Placement,
+) -> Option<(u32, carve_gpu::ComputeInstanceInfo)> {
+    live.get(&g)
+        .and_then(|v| {
+            v.iter()
+                .find(|i| i.placement == placement && i.profile_id == profile_id)
+        })
+        .and_then(|i| i.compute_instances.first().map(|c| (i.id, c.clone())))
+}
+
+/// The minors of the capability files of GPU instance `gid` and of its
+/// compute instance `cid` on GPU `g` (minor `minor`), in that order.
+fn capability_minors(
+    b: &dyn GpuBackend,
+    g: u32,
+    minor: u32,
+    gid: u32,
+    cid: u32,
+) -> Result<Vec<u32>, ClaimError> {
+    Ok(vec![
         b.capability_minor(minor, gid, None)
             .map_err(backend_err(format!("capability of GPU {g} GI {gid}")))?,
         b.capability_minor(minor, gid, Some(cid))
             .map_err(backend_err(format!(
                 "capability of GPU {g} GI {gid} CI {cid}"
             )))?,
-    ];
-    Ok(())
+    ])
 }
 
 /// Create a GPU instance of `profile` at `placement` and its compute

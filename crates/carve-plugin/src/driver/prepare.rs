@@ -22,7 +22,7 @@ use super::mig::{
 };
 use super::mps_shares::{MpsJob, Neighbours};
 use super::plan::{Planned, check_claims, plan_claim, started};
-use super::{ClaimError, Driver, Gpu};
+use super::{ClaimError, ClaimOp, Driver, Gpu};
 use crate::cdi;
 use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord, PreparedKind};
 use crate::claim::{ClaimRef, PreparedDevice, ReadClaim};
@@ -37,17 +37,7 @@ impl Driver {
         let futs = claims.into_iter().map(|c| async move {
             let t = std::time::Instant::now();
             let r = self.prepare_one(&c).await;
-            if let Err(e) = &r {
-                tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "prepare failed");
-            }
-            if let Some(m) = &self.config.metrics {
-                m.observe_prepare(
-                    t.elapsed(),
-                    r.as_ref()
-                        .map(|_| ())
-                        .map_err(crate::metrics::failure_reason),
-                );
-            }
+            self.observe(ClaimOp::Prepare, &c, &r, t);
             (c, r)
         });
         futures::future::join_all(futs).await
@@ -102,6 +92,21 @@ impl Driver {
             Some(g) => g,
             None => get.await,
         };
+        let rc = Self::claim_asked_for(claim, got)?;
+        let planned = plan_claim(&self.config, &self.gpus, &rc)?;
+        self.node_driver(&planned).await?;
+        let devs = self.prepare_planned(claim, &rc, planned).await?;
+        self.start_status_write(api.clone(), &rc, claim).await;
+        tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
+        Ok(devs)
+    }
+
+    /// The ResourceClaim the GET `got`: there, and the claim the kubelet
+    /// asked for (its UID), not one made again under the same name.
+    fn claim_asked_for(
+        claim: &ClaimRef,
+        got: Result<Option<ReadClaim>, crate::api::ApiFailure>,
+    ) -> Result<ResourceClaim, ClaimError> {
         let rc = got
             .map_err(|e| ClaimError::Kube {
                 what: "get ResourceClaim".into(),
@@ -119,12 +124,7 @@ impl Driver {
                 found,
             });
         }
-        let planned = plan_claim(&self.config, &self.gpus, &rc)?;
-        self.node_driver(&planned).await?;
-        let devs = self.prepare_planned(claim, &rc, planned).await?;
-        self.start_status_write(api.clone(), &rc, claim).await;
-        tracing::info!(claim.uid = %claim.uid, claim = %claim, devices = devs.len(), "prepared");
-        Ok(devs)
+        Ok(rc)
     }
 
     /// Everything after planning, under the claim's GPUs' locks.
@@ -410,6 +410,70 @@ enum Hop {
     Failed(ClaimError),
 }
 
+/// Whether GPU `g`, not in MIG mode, is turned to it for its devices
+/// `on_gpu` (a MIG device among them); an error where it cannot be: a
+/// static GPU has no instances to hand out, and some architectures need a
+/// GPU reset for it.
+fn turns_mig_on(g: u32, gpu: &Gpu, on_gpu: &[&DeviceRecord]) -> Result<bool, ClaimError> {
+    if !on_gpu
+        .iter()
+        .any(|d| matches!(d.kind, PreparedKind::Mig { .. }))
+    {
+        return Ok(false);
+    }
+    if gpu.policy == GpuPolicy::Static {
+        // A static GPU with MIG off has no instances to hand out.
+        if let Some(DeviceRecord {
+            device,
+            kind: PreparedKind::Mig {
+                profile, placement, ..
+            },
+            ..
+        }) = on_gpu.first()
+        {
+            return Err(ClaimError::StaticMissing {
+                device: device.clone(),
+                gpu: g,
+                profile: profile.clone(),
+                placement: *placement,
+            });
+        }
+    }
+    if gpu.info.architecture.mig_mode_needs_reset() {
+        return Err(ClaimError::MigPending { gpu: g });
+    }
+    Ok(true)
+}
+
+/// Whether GPU `g`, in MIG mode, is turned out of it for its devices
+/// `on_gpu` (a whole-GPU device among them); an error where it cannot be:
+/// its MIG policy is static, or leaving MIG mode needs a GPU reset.
+fn turns_mig_off(g: u32, gpu: &Gpu, on_gpu: &[&DeviceRecord]) -> Result<bool, ClaimError> {
+    let Some(w) = on_gpu.iter().find(|d| {
+        matches!(
+            d.kind,
+            PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. }
+        )
+    }) else {
+        return Ok(false);
+    };
+    let why = if gpu.policy == GpuPolicy::Static {
+        Some("its MIG policy is static")
+    } else if gpu.info.architecture.mig_mode_needs_reset() {
+        Some("leaving MIG mode needs a GPU reset on this architecture")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(ClaimError::WholeInMigMode {
+            device: w.device.clone(),
+            gpu: g,
+            why,
+        }),
+        None => Ok(true),
+    }
+}
+
 impl HardwareJob {
     /// Read, check and decide; make the devices unless the decision needs
     /// its intent written first. Blocking.
@@ -478,56 +542,12 @@ impl HardwareJob {
         let mut out = MigModeChanges::default();
         for (g, gpu) in &self.gpus {
             let mig_on = reads.mig_on.contains(g);
-            let on_gpu = || self.records.iter().filter(move |d| d.gpu_index == *g);
-            let wants_mig = on_gpu().any(|d| matches!(d.kind, PreparedKind::Mig { .. }));
-            if wants_mig && !mig_on {
-                if gpu.policy == GpuPolicy::Static {
-                    // A static GPU with MIG off has no instances to hand out.
-                    if let Some(DeviceRecord {
-                        device,
-                        kind:
-                            PreparedKind::Mig {
-                                profile, placement, ..
-                            },
-                        ..
-                    }) = on_gpu().next()
-                    {
-                        return Err(ClaimError::StaticMissing {
-                            device: device.clone(),
-                            gpu: *g,
-                            profile: profile.clone(),
-                            placement: *placement,
-                        });
-                    }
-                }
-                if gpu.info.architecture.mig_mode_needs_reset() {
-                    return Err(ClaimError::MigPending { gpu: *g });
-                }
+            let on_gpu: Vec<&DeviceRecord> =
+                self.records.iter().filter(|d| d.gpu_index == *g).collect();
+            if !mig_on && turns_mig_on(*g, gpu, &on_gpu)? {
                 out.enable.push(*g);
             }
-            let whole = on_gpu().find(|d| {
-                matches!(
-                    d.kind,
-                    PreparedKind::Gpu | PreparedKind::TimeSlice | PreparedKind::Mps { .. }
-                )
-            });
-            if let Some(w) = whole
-                && mig_on
-            {
-                let why = if gpu.policy == GpuPolicy::Static {
-                    Some("its MIG policy is static")
-                } else if gpu.info.architecture.mig_mode_needs_reset() {
-                    Some("leaving MIG mode needs a GPU reset on this architecture")
-                } else {
-                    None
-                };
-                if let Some(why) = why {
-                    return Err(ClaimError::WholeInMigMode {
-                        device: w.device.clone(),
-                        gpu: *g,
-                        why,
-                    });
-                }
+            if mig_on && turns_mig_off(*g, gpu, &on_gpu)? {
                 out.disable.push(*g);
             }
         }

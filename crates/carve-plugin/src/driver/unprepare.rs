@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use carve_gpu::BackendError;
 
 use super::mig::{destroy_devices, disable_mig_if_empty};
-use super::{ClaimError, Driver, blocking};
+use super::{ClaimError, ClaimOp, Driver, blocking};
 use crate::cdi;
 use crate::checkpoint::{ClaimRecord, ClaimState};
 use crate::claim::ClaimRef;
@@ -22,17 +22,7 @@ impl Driver {
         let futs = claims.into_iter().map(|c| async move {
             let t = std::time::Instant::now();
             let r = self.unprepare_one(&c.uid).await;
-            if let Err(e) = &r {
-                tracing::warn!(claim.uid = %c.uid, claim = %c, error = %e, "unprepare failed");
-            }
-            if let Some(m) = &self.config.metrics {
-                m.observe_unprepare(
-                    t.elapsed(),
-                    r.as_ref()
-                        .map(|_| ())
-                        .map_err(crate::metrics::failure_reason),
-                );
-            }
+            self.observe(ClaimOp::Unprepare, &c, &r, t);
             (c, r)
         });
         futures::future::join_all(futs).await

@@ -1068,7 +1068,10 @@ fn nvidia_smi_brings_the_host_cgroup_tree_and_its_flag_only_with_mps() {
     ] {
         assert!(a.iter().any(|x| x == want), "{want}: {a:?}");
     }
-    assert!(!a.iter().any(|x| x.starts_with("--mps-daemon-cgroup")), "{a:?}");
+    assert!(
+        !a.iter().any(|x| x.starts_with("--mps-daemon-cgroup")),
+        "{a:?}"
+    );
     assert_eq!(host_paths(ds)["host-cgroup"], "/sys/fs/cgroup");
 
     let m = render_valid(&values_with(

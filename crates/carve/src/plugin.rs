@@ -445,23 +445,7 @@ async fn shutdown_signal() {
 
 /// Run the plugin until SIGTERM / Ctrl-C.
 pub fn run(args: PluginArgs) -> anyhow::Result<()> {
-    if !args.registry_dir.is_dir() {
-        bail!(
-            "--registry-dir {}: not a directory (the kubelet creates it)",
-            args.registry_dir.display()
-        );
-    }
-    // CDI requires absolute host paths.
-    for (flag, p) in [
-        ("--host-driver-root", Some(&args.host_driver_root)),
-        ("--nvidia-cdi-hook", args.nvidia_cdi_hook.as_ref()),
-    ] {
-        if let Some(p) = p
-            && !p.is_absolute()
-        {
-            bail!("{flag} {}: must be an absolute host path", p.display());
-        }
-    }
+    check_paths(&args)?;
     // MPS flags and support before anything is created (detection fails
     // first on a missing control binary).
     let mps = mps_setup(&args)?;
@@ -473,164 +457,311 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
     let backend: Arc<dyn GpuBackend> = nvml.clone();
     let events: Arc<dyn carve_gpu::GpuEvents> = nvml;
     let inv = inventory(backend.as_ref(), &args.mig_policy)?;
+    let node = Node {
+        plugin_dir,
+        mps,
+        backend,
+        events,
+        inv,
+    };
+    runtime()?.block_on(serve(args, node))
+}
 
-    let rt = runtime()?;
-    rt.block_on(async move {
-        let client = kube_client(args.kube_api_url.as_deref()).await?;
-        // The API server's version picks the slice layout; it is read again
-        // every resync and after a failed publish (see `follow_version`).
-        let mut versions = carve_kube::VersionWatch::new(client.clone()).await.context("reading the API server version")?;
-        let version = versions.version();
-        let layout = version.layout()?;
-        let mut opts = SliceOptions::new(&args.node_name, layout);
-        opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
-        opts.sharing.mps_caps = mps.as_ref().map(|m| m.support.capabilities());
-        opts.sharing.mps = args.sharing.contains(&SharingKind::Mps);
-        opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
-        if !args.sharing.is_empty() && version < KubeVersion::V1_36 {
-            tracing::warn!(%version, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
+/// What `run` found on the node before the runtime starts.
+struct Node {
+    plugin_dir: PathBuf,
+    mps: Option<carve_plugin::MpsSetup>,
+    backend: Arc<dyn GpuBackend>,
+    events: Arc<dyn carve_gpu::GpuEvents>,
+    inv: Inventory,
+}
+
+/// The directories the kubelet owns exist; CDI's host paths are absolute.
+fn check_paths(args: &PluginArgs) -> anyhow::Result<()> {
+    if !args.registry_dir.is_dir() {
+        bail!(
+            "--registry-dir {}: not a directory (the kubelet creates it)",
+            args.registry_dir.display()
+        );
+    }
+    for (flag, p) in [
+        ("--host-driver-root", Some(&args.host_driver_root)),
+        ("--nvidia-cdi-hook", args.nvidia_cdi_hook.as_ref()),
+    ] {
+        if let Some(p) = p
+            && !p.is_absolute()
+        {
+            bail!("{flag} {}: must be an absolute host path", p.display());
         }
-        let mut gpus = inv.gpus.clone();
-        if let Some(m) = &mps {
-            mark_hard_memory(&mut gpus, m);
-        }
-        let build = Builder { gpus, opts };
-        let desired = build.slices(version)?;
+    }
+    Ok(())
+}
 
-        let metrics = Arc::new(carve_metrics::Metrics::new());
-        let names: Vec<carve_model::DeviceName> = desired
-            .iter()
-            .flat_map(|s| s.spec.devices.iter().flatten())
-            .filter_map(|d| d.name.parse().ok())
-            .collect();
-        metrics.record_published(&names);
+/// Publish the node's slices, recover, serve the kubelet and `/metrics`
+/// until a signal; then stop everything in order.
+async fn serve(args: PluginArgs, node: Node) -> anyhow::Result<()> {
+    let client = kube_client(args.kube_api_url.as_deref()).await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let Publishing {
+        metrics,
+        health,
+        task: publish_task,
+    } = publish(&args, &node, client.clone(), stop_rx.clone()).await?;
 
-        // Health: NVML events become taints on the published devices and the
-        // kubelet's health stream.
-        let health = carve_plugin::health::HealthMonitor::start(
-            backend.clone(),
-            events,
-            names.clone(),
-            carve_plugin::health::HealthOptions { poll: Duration::from_secs(args.health_poll_seconds.max(1)), ..Default::default() },
-        )
-        .await?;
+    let cfg = plugin_config(&args, node.plugin_dir, metrics.clone(), node.mps);
+    let driver = Arc::new(carve_plugin::Driver::new(cfg, node.backend, client).await?);
+    let report = driver.recover().await?;
+    tracing::info!(?report, "recovered");
+    let supervisor = supervise_mps(
+        driver.clone(),
+        Duration::from_secs(args.mps_supervise_seconds.max(1)),
+        stop_rx.clone(),
+    );
+    let serve_opts = carve_plugin::health::ServeOptions {
+        health: Some(health.clone()),
+        ..Default::default()
+    };
+    let serving =
+        carve_plugin::health::serve_with(driver, serve_opts, stopped(stop_rx.clone())).await?;
+    // Ready: registered with the kubelet and the DRA socket answers (the kit's check).
+    let readiness = serving.readiness();
+    let ready = carve_metrics::ReadyCheck::new(move || {
+        let readiness = readiness.clone();
+        async move { readiness.check().await.map_err(|e| e.to_string()) }
+    });
+    let metrics_server =
+        carve_metrics::bind(args.metrics_addr, metrics, ready, stopped(stop_rx)).await?;
+    eprintln!(
+        "carve kubelet-plugin: serving {} (metrics on {})",
+        serving.paths.dra.display(),
+        metrics_server.local_addr()
+    );
 
-        // Publish, then keep the slices published (with the current taints, in
-        // the layout of the API server's current version): a resync with
-        // nothing changed makes no API write.
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let mut publisher = carve_kube::SlicePublisher::new(client.clone(), args.node_name.clone(), carve_model::DRIVER_NAME)
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    serving.wait().await?;
+    let _ = publish_task.await;
+    let _ = supervisor.await;
+    let _ = metrics_server.wait().await;
+    health.stop().await?;
+    Ok(())
+}
+
+/// What publishing started: the metrics of the published devices, the
+/// health monitor whose taints go on them, the task that keeps them published.
+struct Publishing {
+    metrics: Arc<carve_metrics::Metrics>,
+    health: carve_plugin::health::HealthHandle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Build the node's slices for the API server's version, start the health
+/// monitor, publish, and keep publishing until `stop`.
+async fn publish(
+    args: &PluginArgs,
+    node: &Node,
+    client: kube::Client,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Publishing> {
+    // The API server's version picks the slice layout; it is read again
+    // every resync and after a failed publish (see `follow_version`).
+    let versions = carve_kube::VersionWatch::new(client.clone())
+        .await
+        .context("reading the API server version")?;
+    let version = versions.version();
+    let build = slice_builder(args, node, version)?;
+    let desired = build.slices(version)?;
+
+    let metrics = Arc::new(carve_metrics::Metrics::new());
+    let names: Vec<carve_model::DeviceName> = desired
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .filter_map(|d| d.name.parse().ok())
+        .collect();
+    metrics.record_published(&names);
+
+    // Health: NVML events become taints on the published devices and the
+    // kubelet's health stream.
+    let health = carve_plugin::health::HealthMonitor::start(
+        node.backend.clone(),
+        node.events.clone(),
+        names,
+        carve_plugin::health::HealthOptions {
+            poll: Duration::from_secs(args.health_poll_seconds.max(1)),
+            ..Default::default()
+        },
+    )
+    .await?;
+
+    let publisher =
+        carve_kube::SlicePublisher::new(client, args.node_name.clone(), carve_model::DRIVER_NAME)
             .with_request_timeout(Duration::from_secs(args.api_timeout_seconds));
-        let mut snapshots = health.subscribe();
-        let mut current = Published { version, base: Arc::new(desired) };
-        let first = current.tainted(&snapshots.borrow_and_update());
-        match publisher.sync(&*first).await {
-            Ok(r) => tracing::info!(created = r.created, updated = r.updated, deleted = r.deleted, unchanged = r.unchanged, %version, "slices published"),
+    let keep = KeepPublished {
+        publisher,
+        versions,
+        current: Published {
+            version,
+            base: Arc::new(desired),
+        },
+        build,
+        snapshots: health.subscribe(),
+        resync: Duration::from_secs(args.resync_seconds.max(1)),
+    };
+    let task = keep.start(stop).await;
+    Ok(Publishing {
+        metrics,
+        health,
+        task,
+    })
+}
+
+/// Resolves when `stop` turns (or its sender is gone).
+async fn stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.changed().await;
+}
+
+/// The slices to publish: the node's GPUs (hard MPS memory marked where it
+/// holds) and the sharing kinds asked for, in the layout of `version`.
+fn slice_builder(args: &PluginArgs, node: &Node, version: KubeVersion) -> anyhow::Result<Builder> {
+    let mut opts = SliceOptions::new(&args.node_name, version.layout()?);
+    opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
+    opts.sharing.mps_caps = node.mps.as_ref().map(|m| m.support.capabilities());
+    opts.sharing.mps = args.sharing.contains(&SharingKind::Mps);
+    opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
+    if !args.sharing.is_empty() && version < KubeVersion::V1_36 {
+        tracing::warn!(%version, "shared devices need consumable capacity, off by default before Kubernetes 1.36");
+    }
+    let mut gpus = node.inv.gpus.clone();
+    if let Some(m) = &node.mps {
+        mark_hard_memory(&mut gpus, m);
+    }
+    Ok(Builder { gpus, opts })
+}
+
+/// The driver's configuration from the flags.
+fn plugin_config(
+    args: &PluginArgs,
+    plugin_dir: PathBuf,
+    metrics: Arc<carve_metrics::Metrics>,
+    mps: Option<carve_plugin::MpsSetup>,
+) -> PluginConfig {
+    let mut cfg = PluginConfig::new(args.node_name.clone());
+    cfg.plugins_registry_dir = args.registry_dir.clone();
+    cfg.plugin_dir = plugin_dir;
+    cfg.cdi_dir = args.cdi_dir.clone();
+    cfg.checkpoint_path = args.state_dir.join("checkpoint.json");
+    cfg.boot_id_path = args.boot_id_path.clone();
+    cfg.pod_uid = args.pod_uid.clone();
+    cfg.default_policy = args.mig_policy.default;
+    cfg.gpu_policy = args.mig_policy.per_gpu.clone();
+    cfg.api_timeout = Duration::from_secs(args.api_timeout_seconds);
+    cfg.gc_interval =
+        (args.gc_interval_seconds > 0).then(|| Duration::from_secs(args.gc_interval_seconds));
+    cfg.metrics = Some(metrics);
+    cfg.mps = mps;
+    cfg.driver = carve_plugin::DriverRootConfig {
+        container_root: args.container_driver_root.clone(),
+        host_root: args.host_driver_root.clone(),
+        nvidia_cdi_hook: args.nvidia_cdi_hook.clone(),
+        proc_devices: args.proc_devices.clone(),
+        proc_driver_nvidia: args.nvml.proc_driver_nvidia.clone(),
+    };
+    cfg
+}
+
+/// MPS daemons that die are restarted with their shares' limits, every
+/// `every` until `stop` (nothing to do without MPS).
+fn supervise_mps(
+    driver: Arc<carve_plugin::Driver>,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if driver.config().mps.is_none() {
+            return;
+        }
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            let _ = driver.supervise_mps().await;
+        }
+    })
+}
+
+/// Keeps the slices published, with the current taints, in the layout of the
+/// API server's current version: a resync with nothing changed makes no API
+/// write.
+struct KeepPublished {
+    publisher: carve_kube::SlicePublisher,
+    versions: carve_kube::VersionWatch,
+    current: Published,
+    build: Builder,
+    snapshots: tokio::sync::watch::Receiver<carve_plugin::health::HealthSnapshot>,
+    resync: Duration,
+}
+
+impl KeepPublished {
+    /// Publish once (a failure is retried in the background), then keep
+    /// publishing until `stop`.
+    async fn start(
+        mut self,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
+        let first = self.current.tainted(&self.snapshots.borrow_and_update());
+        match self.publisher.sync(&*first).await {
+            Ok(r) => {
+                tracing::info!(created = r.created, updated = r.updated, deleted = r.deleted, unchanged = r.unchanged, version = %self.current.version, "slices published")
+            }
             Err(e) => {
                 tracing::error!(error = %e, "publishing slices failed; retrying in the background");
-                follow_version(&mut versions, &mut current, &build).await;
+                follow_version(&mut self.versions, &mut self.current, &self.build).await;
             }
         }
-        let resync = Duration::from_secs(args.resync_seconds.max(1));
-        let mut stop = stop_rx.clone();
         // Slices deleted or changed behind the plugin's back are republished
-        // as soon as the watch sees it; the periodic resync stays as a backstop.
-        let mut slice_watch = publisher.watch();
-        let publish_task = tokio::spawn(async move {
-            loop {
-                let tick = tokio::select! {
-                    _ = stop.changed() => return,
-                    r = snapshots.changed() => if r.is_err() { return } else { false },
-                    _ = slice_watch.changed() => false,
-                    () = tokio::time::sleep(resync) => true,
-                };
-                if tick {
-                    follow_version(&mut versions, &mut current, &build).await;
-                }
-                let want = current.tainted(&snapshots.borrow_and_update());
-                if let Err(e) = publisher.sync(&*want).await {
-                    tracing::error!(error = %e, "republishing slices failed");
-                    // A failed write may mean the control plane was upgraded
-                    // (a 1.35 server refuses the 1.34 layout): look at once.
-                    if follow_version(&mut versions, &mut current, &build).await {
-                        let want = current.tainted(&snapshots.borrow_and_update());
-                        if let Err(e) = publisher.sync(&*want).await {
-                            tracing::error!(error = %e, "republishing slices in the new layout failed");
-                        }
-                    }
+        // as soon as the watch sees it.
+        let slice_watch = self.publisher.watch();
+        tokio::spawn(self.run(slice_watch, stop))
+    }
+
+    /// Republish on a health change, a slice changed or deleted behind the
+    /// plugin's back (the watch), and every resync (the backstop, which also
+    /// re-reads the API server's version).
+    async fn run(
+        mut self,
+        mut slice_watch: carve_kube::SliceWatch,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        loop {
+            let tick = tokio::select! {
+                _ = stop.changed() => return,
+                r = self.snapshots.changed() => if r.is_err() { return } else { false },
+                _ = slice_watch.changed() => false,
+                () = tokio::time::sleep(self.resync) => true,
+            };
+            if tick {
+                follow_version(&mut self.versions, &mut self.current, &self.build).await;
+            }
+            self.republish().await;
+        }
+    }
+
+    async fn republish(&mut self) {
+        let want = self.current.tainted(&self.snapshots.borrow_and_update());
+        if let Err(e) = self.publisher.sync(&*want).await {
+            tracing::error!(error = %e, "republishing slices failed");
+            // A failed write may mean the control plane was upgraded (a 1.35
+            // server refuses the 1.34 layout): look at once.
+            if follow_version(&mut self.versions, &mut self.current, &self.build).await {
+                let want = self.current.tainted(&self.snapshots.borrow_and_update());
+                if let Err(e) = self.publisher.sync(&*want).await {
+                    tracing::error!(error = %e, "republishing slices in the new layout failed");
                 }
             }
-        });
-
-        let mut cfg = PluginConfig::new(args.node_name.clone());
-        cfg.plugins_registry_dir = args.registry_dir.clone();
-        cfg.plugin_dir = plugin_dir;
-        cfg.cdi_dir = args.cdi_dir.clone();
-        cfg.checkpoint_path = args.state_dir.join("checkpoint.json");
-        cfg.boot_id_path = args.boot_id_path.clone();
-        cfg.pod_uid = args.pod_uid.clone();
-        cfg.default_policy = args.mig_policy.default;
-        cfg.gpu_policy = args.mig_policy.per_gpu.clone();
-        cfg.api_timeout = Duration::from_secs(args.api_timeout_seconds);
-        cfg.gc_interval = (args.gc_interval_seconds > 0).then(|| Duration::from_secs(args.gc_interval_seconds));
-        cfg.metrics = Some(metrics.clone());
-        cfg.mps = mps;
-        cfg.driver = carve_plugin::DriverRootConfig {
-            container_root: args.container_driver_root.clone(),
-            host_root: args.host_driver_root.clone(),
-            nvidia_cdi_hook: args.nvidia_cdi_hook.clone(),
-            proc_devices: args.proc_devices.clone(),
-            proc_driver_nvidia: args.nvml.proc_driver_nvidia.clone(),
-        };
-
-        let driver = Arc::new(carve_plugin::Driver::new(cfg, backend, client).await?);
-        let report = driver.recover().await?;
-        tracing::info!(?report, "recovered");
-        // MPS daemons that die are restarted with their shares' limits.
-        let supervise_every = Duration::from_secs(args.mps_supervise_seconds.max(1));
-        let mut stop = stop_rx.clone();
-        let d2 = driver.clone();
-        let supervisor = tokio::spawn(async move {
-            if d2.config().mps.is_none() {
-                return;
-            }
-            loop {
-                tokio::select! {
-                    _ = stop.changed() => return,
-                    () = tokio::time::sleep(supervise_every) => {}
-                }
-                let _ = d2.supervise_mps().await;
-            }
-        });
-        let mut stop = stop_rx.clone();
-        let serve_opts = carve_plugin::health::ServeOptions { health: Some(health.clone()), ..Default::default() };
-        let serving = carve_plugin::health::serve_with(driver, serve_opts, async move {
-            let _ = stop.changed().await;
-        })
-        .await?;
-        // Ready: registered with the kubelet and the DRA socket answers (the kit's check).
-        let readiness = serving.readiness();
-        let ready = carve_metrics::ReadyCheck::new(move || {
-            let readiness = readiness.clone();
-            async move { readiness.check().await.map_err(|e| e.to_string()) }
-        });
-        let mut stop = stop_rx.clone();
-        let metrics_server = carve_metrics::bind(args.metrics_addr, metrics, ready, async move {
-            let _ = stop.changed().await;
-        })
-        .await?;
-        eprintln!("carve kubelet-plugin: serving {} (metrics on {})", serving.paths.dra.display(), metrics_server.local_addr());
-
-        shutdown_signal().await;
-        tracing::info!("shutting down");
-        let _ = stop_tx.send(true);
-        serving.wait().await?;
-        let _ = publish_task.await;
-        let _ = supervisor.await;
-        let _ = metrics_server.wait().await;
-        health.stop().await?;
-        Ok(())
-    })
+        }
+    }
 }
 
 /// Builds the node's slices for a Kubernetes version (its layout).

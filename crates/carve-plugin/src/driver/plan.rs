@@ -270,21 +270,7 @@ fn plan_share(
         .mps
         .as_ref()
         .ok_or_else(|| ClaimError::MpsDisabled { device: device() })?;
-    let share_id = r.share_id.as_deref().ok_or_else(|| ClaimError::BadShare {
-        device: device(),
-        reason: "the allocation result has no shareID (the scheduler gives every share of a shareable device one; an API server with the DRAConsumableCapacity feature gate off drops shareID and consumedCapacity from the claim: enable it on kube-apiserver)".into(),
-    })?;
-    if share_id.is_empty()
-        || share_id.len() > 64
-        || !share_id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-    {
-        return Err(ClaimError::BadShare {
-            device: device(),
-            reason: format!("shareID {share_id:?} is not a UID"),
-        });
-    }
+    check_share_id(r)?;
     let Some(consumed) = r.consumed_capacity.as_ref().filter(|c| !c.is_empty()) else {
         return Err(ClaimError::BadShare {
             device: device(),
@@ -302,36 +288,8 @@ fn plan_share(
         .support
         .capabilities_of(root, Some(&gpu.info.pci_bus_id), mig);
     let need = effective_mps(configs, &r.request, &r.device, true)?;
-    if let Some(m) = need.memory_limit
-        && caps.memory_limit < m
-    {
-        let why = hard
-            .as_ref()
-            .err()
-            .map_or_else(String::new, ToString::to_string);
-        return Err(ClaimError::BadShare {
-            device: device(),
-            reason: format!(
-                "opaque MpsConfig requires memoryLimit {}, this device enforces {}: {why}; {}",
-                m.as_str(),
-                caps.memory_limit.as_str(),
-                carve_mps::detect::WHY_MEMORY_IS_CLIENT
-            ),
-        });
-    }
+    check_demands(&r.device, &need, caps, hard.as_ref().err())?;
     let demanded = need.memory_limit == Some(carve_model::sharing::MemoryLimit::Hard);
-    if let Some(c) = need.compute_limit
-        && caps.compute_limit < c
-    {
-        return Err(ClaimError::BadShare {
-            device: device(),
-            reason: format!(
-                "opaque MpsConfig requires computeLimit {}, this node enforces {}",
-                c.as_str(),
-                caps.compute_limit.as_str()
-            ),
-        });
-    }
     let sharing_err = |source| ClaimError::Sharing {
         device: device(),
         source: Box::new(source),
@@ -354,6 +312,63 @@ fn plan_share(
         hard_memory,
         memory_client_why,
     })
+}
+
+/// The allocation result names its share with a UID-like `shareID`.
+fn check_share_id(r: &DeviceRequestAllocationResult) -> Result<(), ClaimError> {
+    let share_id = r.share_id.as_deref().ok_or_else(|| ClaimError::BadShare {
+        device: r.device.clone(),
+        reason: "the allocation result has no shareID (the scheduler gives every share of a shareable device one; an API server with the DRAConsumableCapacity feature gate off drops shareID and consumedCapacity from the claim: enable it on kube-apiserver)".into(),
+    })?;
+    if share_id.is_empty()
+        || share_id.len() > 64
+        || !share_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(ClaimError::BadShare {
+            device: r.device.clone(),
+            reason: format!("shareID {share_id:?} is not a UID"),
+        });
+    }
+    Ok(())
+}
+
+/// The enforcement levels a claim's opaque `MpsConfig` demands, against what
+/// the device gives (`not_hard`: why its memory is not hard, when it is not).
+fn check_demands(
+    device: &str,
+    need: &crate::config::MpsConfig,
+    caps: carve_model::sharing::MpsCapabilities,
+    not_hard: Option<&carve_mps::memlimit::NotHard>,
+) -> Result<(), ClaimError> {
+    if let Some(m) = need.memory_limit
+        && caps.memory_limit < m
+    {
+        let why = not_hard.map_or_else(String::new, ToString::to_string);
+        return Err(ClaimError::BadShare {
+            device: device.to_string(),
+            reason: format!(
+                "opaque MpsConfig requires memoryLimit {}, this device enforces {}: {why}; {}",
+                m.as_str(),
+                caps.memory_limit.as_str(),
+                carve_mps::detect::WHY_MEMORY_IS_CLIENT
+            ),
+        });
+    }
+    if let Some(c) = need.compute_limit
+        && caps.compute_limit < c
+    {
+        return Err(ClaimError::BadShare {
+            device: device.to_string(),
+            reason: format!(
+                "opaque MpsConfig requires computeLimit {}, this node enforces {}",
+                c.as_str(),
+                caps.compute_limit.as_str()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Whether two devices on the same GPU cannot be prepared at the same time:

@@ -28,6 +28,8 @@ pub mod optimum;
 pub mod rng;
 pub mod sim;
 pub mod suite;
+#[cfg(test)]
+mod test_tasks;
 pub mod trace;
 
 pub use bench::{

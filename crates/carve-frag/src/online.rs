@@ -779,40 +779,10 @@ fn max_fit(placements: &[Vec<(u16, u8)>], free: u16, compute: u8) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use carve_model::GpuModel;
+    use crate::test_tasks::{h100, task, tracked};
 
     use crate::rng::SplitMix64;
     use crate::sim::draw_sequence;
-
-    fn h100() -> GpuSpec {
-        GpuModel::find("h100-80gb").unwrap().spec()
-    }
-
-    fn pidx(s: &GpuSpec, name: &str) -> usize {
-        s.profiles.iter().position(|p| p.name == name).unwrap()
-    }
-
-    fn tracked(s: &GpuSpec) -> Vec<usize> {
-        ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
-            .iter()
-            .map(|n| pidx(s, n))
-            .collect()
-    }
-
-    fn task(s: &GpuSpec, name: &str, count: u32, cpu_milli: u64) -> Demand {
-        let p = pidx(s, name);
-        Demand {
-            cpu_milli,
-            memory_mib: 1,
-            profile: Some(p),
-            count,
-            compute_slices: count * u32::from(s.profiles[p].compute_slices),
-            memory_slices: count * u32::from(s.profiles[p].memory_slices),
-            requested_milli: 1000,
-            class: 0,
-            models: u64::MAX,
-        }
-    }
 
     fn cpu_only(cpu_milli: u64) -> Demand {
         Demand {

@@ -649,26 +649,22 @@ pub(crate) fn online_figures(
     };
     drop(own);
     let geometry = NodeShape::geometry(shape.gpus);
-    if geometry == *shape {
-        return Ok(Some(OnlineFigures {
+    let none = |kinds, unsolved| {
+        Ok(Some(OnlineFigures {
             expected: None,
             accepted: Vec::new(),
             states: 0,
             gpu_states: 0,
             kinds,
             unsolved: Some(unsolved),
-        }));
+        }))
+    };
+    if geometry == *shape {
+        return none(kinds, unsolved);
     }
     let mut g = OnlineOptimum::new(spec, profiles, demands, &geometry)?.with_max_states(max_states);
     if g.solve().is_err() {
-        return Ok(Some(OnlineFigures {
-            expected: None,
-            accepted: Vec::new(),
-            states: 0,
-            gpu_states: 0,
-            kinds,
-            unsolved: Some(unsolved),
-        }));
+        return none(kinds, unsolved);
     }
     let accepted = run(&mut g)?;
     Ok(Some(OnlineFigures {

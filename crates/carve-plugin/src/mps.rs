@@ -440,51 +440,9 @@ pub(crate) fn reconcile(
 ) -> Result<Reconciled, ClaimError> {
     let mut shares = BTreeMap::new();
     let mut kept = Vec::new();
-    let mut stopped = Vec::new();
-    let root = setup.config.mps_root();
-    let mut units: BTreeSet<String> = BTreeSet::new();
-    if let Ok(rd) = std::fs::read_dir(&root) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if e.file_type().is_ok_and(|t| t.is_dir())
-                && name.parse::<carve_model::DeviceName>().is_ok()
-            {
-                units.insert(name);
-            }
-        }
-    }
     let mut failed = Vec::new();
     for (unit, (t, clients)) in keep {
-        let mut one = || -> Result<Ensure, ClaimError> {
-            let mut ctl = MpsControl::open(&setup.config, &setup.support, t.clone())
-                .map_err(mps_err(unit))?;
-            let wanted: BTreeSet<(String, String)> = clients
-                .iter()
-                .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
-                .collect();
-            let stale: Vec<(String, String)> = ctl
-                .clients()
-                .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
-                .filter(|k| !wanted.contains(k))
-                .collect();
-            let what = ctl.ensure_running().map_err(mps_err(unit))?;
-            for (c, s) in &stale {
-                ctl.remove_client(c, s).map_err(mps_err(unit))?;
-            }
-            for c in clients {
-                let key = (c.claim_uid.clone(), c.share_id.clone());
-                let got = match ctl.share(&c.claim_uid, &c.share_id) {
-                    Some(s) => s,
-                    None => {
-                        let e = ctl.add_client(c.clone()).map_err(mps_err(unit))?;
-                        (e, c.cgroup.clone())
-                    }
-                };
-                shares.insert(key, got);
-            }
-            Ok(what)
-        };
-        match one() {
+        match restore_unit(setup, unit, t, clients, &mut shares) {
             Ok(what) => kept.push((unit.clone(), what)),
             // One unit that cannot be brought back must not keep the plugin
             // (and every other GPU) from starting: supervision retries it.
@@ -494,27 +452,13 @@ pub(crate) fn reconcile(
             }
         }
     }
+    let mut stopped = Vec::new();
+    let units = unit_dirs(&setup.config.mps_root());
     for unit in units.difference(&keep.keys().cloned().collect()) {
         let Some(uuid) = fallback_uuid(unit) else {
             continue;
         };
-        let t = MpsTarget {
-            unit: unit.clone(),
-            uuid,
-            pci_bus_id: None,
-            mig: unit
-                .parse::<carve_model::DeviceName>()
-                .is_ok_and(|n| n.mig_placement().is_some()),
-        };
-        let mut ctl = MpsControl::open(&setup.config, &setup.support, t).map_err(mps_err(unit))?;
-        let clients: Vec<(String, String)> = ctl
-            .clients()
-            .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
-            .collect();
-        for (c, s) in &clients {
-            ctl.remove_client(c, s).map_err(mps_err(unit))?;
-        }
-        if ctl.stop_if_idle().map_err(mps_err(unit))? {
+        if stop_unit(setup, unit, uuid)? {
             stopped.push(unit.clone());
         }
     }
@@ -524,6 +468,82 @@ pub(crate) fn reconcile(
         failed,
         shares,
     })
+}
+
+/// The units that have a daemon directory under the MPS root.
+fn unit_dirs(root: &std::path::Path) -> BTreeSet<String> {
+    let mut units = BTreeSet::new();
+    if let Ok(rd) = std::fs::read_dir(root) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.file_type().is_ok_and(|t| t.is_dir())
+                && name.parse::<carve_model::DeviceName>().is_ok()
+            {
+                units.insert(name);
+            }
+        }
+    }
+    units
+}
+
+/// A kept unit's daemon running with exactly `clients` (stale ones removed,
+/// missing ones added); each client's share edits and cgroup into `shares`.
+fn restore_unit(
+    setup: &MpsSetup,
+    unit: &str,
+    t: &MpsTarget,
+    clients: &[ClientSpec],
+    shares: &mut BTreeMap<(String, String), (carve_mps::ShareEdits, Option<PathBuf>)>,
+) -> Result<Ensure, ClaimError> {
+    let mut ctl =
+        MpsControl::open(&setup.config, &setup.support, t.clone()).map_err(mps_err(unit))?;
+    let wanted: BTreeSet<(String, String)> = clients
+        .iter()
+        .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+        .collect();
+    let stale: Vec<(String, String)> = ctl
+        .clients()
+        .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+        .filter(|k| !wanted.contains(k))
+        .collect();
+    let what = ctl.ensure_running().map_err(mps_err(unit))?;
+    for (c, s) in &stale {
+        ctl.remove_client(c, s).map_err(mps_err(unit))?;
+    }
+    for c in clients {
+        let key = (c.claim_uid.clone(), c.share_id.clone());
+        let got = match ctl.share(&c.claim_uid, &c.share_id) {
+            Some(s) => s,
+            None => {
+                let e = ctl.add_client(c.clone()).map_err(mps_err(unit))?;
+                (e, c.cgroup.clone())
+            }
+        };
+        shares.insert(key, got);
+    }
+    Ok(what)
+}
+
+/// A unit no kept share uses: its clients removed, its daemon stopped if it
+/// runs. Returns whether it stopped one.
+fn stop_unit(setup: &MpsSetup, unit: &str, uuid: String) -> Result<bool, ClaimError> {
+    let t = MpsTarget {
+        unit: unit.to_string(),
+        uuid,
+        pci_bus_id: None,
+        mig: unit
+            .parse::<carve_model::DeviceName>()
+            .is_ok_and(|n| n.mig_placement().is_some()),
+    };
+    let mut ctl = MpsControl::open(&setup.config, &setup.support, t).map_err(mps_err(unit))?;
+    let clients: Vec<(String, String)> = ctl
+        .clients()
+        .map(|c| (c.claim_uid.clone(), c.share_id.clone()))
+        .collect();
+    for (c, s) in &clients {
+        ctl.remove_client(c, s).map_err(mps_err(unit))?;
+    }
+    ctl.stop_if_idle().map_err(mps_err(unit))
 }
 
 /// Keep the daemons of `units` running: restart (with every share's limits

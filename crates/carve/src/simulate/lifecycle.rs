@@ -496,7 +496,7 @@ pub(super) async fn apply_all(
             Err((e, label)) => return Err(claim_error(e, c, &label)),
         };
         match prepare(s, c, result).await? {
-            Ok(p) => {
+            Outcome::Prepared(p) => {
                 say(&prepared_text(s.node, &p));
                 for why in p
                     .devices
@@ -506,9 +506,9 @@ pub(super) async fn apply_all(
                 {
                     failures.push(format!("{}: {why}", c.label()));
                 }
-                prepared.push(p);
+                prepared.push(*p);
             }
-            Err(why) => {
+            Outcome::Failed(why) => {
                 say(&format!("- {}: FAILED: {why}", c.label()));
                 failures.push(format!("{}: {why}", c.label()));
             }
@@ -579,7 +579,7 @@ pub(super) async fn prepare(
     s: &Session<'_>,
     c: &SourcedClaim,
     result: k8s_openapi::api::resource::v1::AllocationResult,
-) -> anyhow::Result<Result<Prepared, String>> {
+) -> anyhow::Result<Outcome> {
     let api: Api<ResourceClaim> = Api::namespaced(s.client.clone(), c.namespace());
     let label = c.label();
     let created = api
@@ -634,26 +634,65 @@ pub(super) async fn prepare(
         .await
         .with_context(|| format!("reading ResourceClaim {label} back"))?;
     let status_devices = back.status.as_ref().and_then(|st| st.devices.as_ref());
+    // CDI ids the kubelet got, by device and share.
+    let cdi_ids: BTreeMap<(String, Option<String>), Vec<String>> = one
+        .devices
+        .iter()
+        .map(|d| {
+            (
+                (d.device_name.clone(), d.share_id.clone()),
+                d.cdi_device_ids.clone(),
+            )
+        })
+        .collect();
+    let devices = prepared_devices(
+        s,
+        &uid,
+        &pod,
+        &cdi_ids,
+        results.map_or(&[][..], Vec::as_slice),
+        status_devices.map_or(&[][..], Vec::as_slice),
+    );
+    Ok(Outcome::Prepared(Box::new(Prepared {
+        source: c.clone(),
+        stored,
+        uid,
+        pod,
+        devices,
+    })))
+}
+
+/// What a claim's prepare came to in simulate.
+pub(super) enum Outcome {
+    /// Prepared: its devices, as the kubelet got them and as the claim's
+    /// status and the MPS daemons show them.
+    Prepared(Box<Prepared>),
+    /// Not prepared (the claim deleted, its pod's cgroup removed): why.
+    Failed(String),
+}
+
+/// The claim's devices of this driver: what the kubelet got (CDI ids), the
+/// status data the plugin wrote, and each MPS share read back from its daemon.
+fn prepared_devices(
+    s: &Session<'_>,
+    uid: &str,
+    pod: &Pod,
+    cdi_ids: &BTreeMap<(String, Option<String>), Vec<String>>,
+    results: &[k8s_openapi::api::resource::v1::DeviceRequestAllocationResult],
+    status_devices: &[k8s_openapi::api::resource::v1::AllocatedDeviceStatus],
+) -> Vec<PreparedDevice> {
     let mut devices = Vec::new();
-    for res in results
-        .into_iter()
-        .flatten()
-        .filter(|x| x.driver == DRIVER_NAME)
-    {
-        let from_kubelet = one
-            .devices
-            .iter()
-            .find(|d| d.device_name == res.device && d.share_id == res.share_id);
+    for res in results.iter().filter(|x| x.driver == DRIVER_NAME) {
         let data = status_devices
-            .into_iter()
-            .flatten()
+            .iter()
             .find(|d| {
                 d.driver == DRIVER_NAME && d.device == res.device && d.share_id == res.share_id
             })
             .and_then(|d| d.data.as_ref())
             .map(|d| d.0.clone());
-        let cdi_ids = from_kubelet
-            .map(|d| d.cdi_device_ids.clone())
+        let cdi_ids = cdi_ids
+            .get(&(res.device.clone(), res.share_id.clone()))
+            .cloned()
             .unwrap_or_default();
         let mut dev = PreparedDevice {
             request: res.request.clone(),
@@ -667,17 +706,11 @@ pub(super) async fn prepare(
             res.device.parse::<DeviceName>(),
             Ok(DeviceName::Mps { .. } | DeviceName::MigMps { .. })
         ) {
-            dev.mps = Some(MpsShare::read(s, &uid, &pod, &dev));
+            dev.mps = Some(MpsShare::read(s, uid, pod, &dev));
         }
         devices.push(dev);
     }
-    Ok(Ok(Prepared {
-        source: c.clone(),
-        stored,
-        uid,
-        pod,
-        devices,
-    }))
+    devices
 }
 
 /// A claim that was not prepared: delete it, remove its pod's cgroup, and
@@ -688,10 +721,10 @@ pub(super) async fn abandon(
     c: &SourcedClaim,
     pod: &Pod,
     why: String,
-) -> anyhow::Result<Result<Prepared, String>> {
+) -> anyhow::Result<Outcome> {
     delete_claim(api, c).await?;
     pod.remove(s.node)?;
-    Ok(Err(why))
+    Ok(Outcome::Failed(why))
 }
 
 pub(super) fn one_error(error: Option<&str>, uid: &str) -> String {

@@ -102,14 +102,59 @@ pub(crate) fn unit_dirs(root: &Path, dir: &Path, unit: &str) -> Result<Vec<PathB
 /// [`MpsError::DaemonCgroup`] naming the unit and the directory.
 pub(crate) fn create(unit: &str, dirs: &[PathBuf]) -> Result<(), MpsError> {
     for (i, d) in dirs.iter().enumerate() {
-        if let Err(source) = std::fs::create_dir_all(d) {
-            let _ = remove(unit, &dirs[..i], Duration::ZERO);
+        let made = std::fs::create_dir_all(d)
+            .map_err(|e| ("create the MPS daemon cgroup", e))
+            .and_then(|()| fill_cpuset(d).map_err(|e| ("give the MPS daemon cgroup its parent's CPUs and memory nodes (cgroup v1 cpuset)", e)));
+        if let Err((op, source)) = made {
+            let _ = remove(unit, &dirs[..=i], Duration::ZERO);
             return Err(MpsError::DaemonCgroup {
                 unit: unit.to_string(),
-                op: "create the MPS daemon cgroup",
+                op,
                 path: d.clone(),
                 source,
             });
+        }
+    }
+    Ok(())
+}
+
+/// cgroup v1's cpuset controller refuses a process in a cgroup whose
+/// `cpuset.cpus` or `cpuset.mems` is empty (the write to `cgroup.procs`
+/// fails with `ENOSPC`), and a new cgroup starts with both empty unless its
+/// parent has `cgroup.clone_children` set (kernel
+/// `Documentation/admin-guide/cgroup-v1/cpusets.rst`). So each empty level
+/// from `d` up gets its parent's values, top-down, as runc and systemd do.
+/// A directory without `cpuset.cpus` (another controller, or cgroup v2
+/// without cpuset) is left alone; on v2 an empty value means "the parent's"
+/// and copying it changes nothing.
+fn fill_cpuset(d: &Path) -> std::io::Result<()> {
+    const FILES: [&str; 2] = ["cpuset.cpus", "cpuset.mems"];
+    let empty = |p: &Path| -> std::io::Result<bool> {
+        for f in FILES {
+            if std::fs::read_to_string(p.join(f))?.trim().is_empty() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    };
+    let mut chain = Vec::new();
+    let mut at = d;
+    while at.join(FILES[0]).is_file() && empty(at)? {
+        chain.push(at);
+        match at.parent() {
+            Some(p) => at = p,
+            None => return Ok(()),
+        }
+    }
+    if !at.join(FILES[0]).is_file() {
+        return Ok(());
+    }
+    for c in chain.into_iter().rev() {
+        let parent = c.parent().unwrap_or(c);
+        for f in FILES {
+            if std::fs::read_to_string(c.join(f))?.trim().is_empty() {
+                std::fs::write(c.join(f), std::fs::read_to_string(parent.join(f))?.trim())?;
+            }
         }
     }
     Ok(())
@@ -161,6 +206,57 @@ pub(crate) fn join(dirs: &[PathBuf]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On this kernel's real cgroup v1 cpuset hierarchy (root only, where
+    /// one is mounted): a unit's new cgroup gets its parent's CPUs and memory
+    /// nodes, so a process can join it; the dirs go again.
+    #[test]
+    fn a_v1_cpuset_cgroup_gets_its_parents_cpus_so_a_process_can_join() {
+        let h = Path::new("/sys/fs/cgroup/cpuset");
+        let root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|r| r.split_whitespace().nth(1))
+                == Some("0")
+        });
+        if !root || !h.join("cpuset.cpus").is_file() {
+            eprintln!(
+                "skipped: needs root and a cgroup v1 cpuset hierarchy at {}",
+                h.display()
+            );
+            return;
+        }
+        let top = h.join(format!("carve-test-{}", std::process::id()));
+        let d = top.join("gpu-0-mps");
+        let made = create("gpu-0-mps", std::slice::from_ref(&d));
+        let got: Vec<(String, String)> = ["cpuset.cpus", "cpuset.mems"]
+            .iter()
+            .map(|f| {
+                let read = |p: &Path| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+                (read(h).trim().to_string(), read(&d).trim().to_string())
+            })
+            .collect();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let joined = std::fs::write(d.join(PROCS), child.id().to_string());
+        let _ = child.kill();
+        let _ = child.wait();
+        let removed = remove(
+            "gpu-0-mps",
+            std::slice::from_ref(&d),
+            Duration::from_secs(5),
+        );
+        let _ = std::fs::remove_dir(&top);
+        made.unwrap();
+        for (parent, child) in got {
+            assert_eq!(child, parent);
+        }
+        joined.unwrap();
+        removed.unwrap();
+        assert!(!top.exists());
+    }
 
     #[test]
     fn a_v2_root_is_one_hierarchy() {

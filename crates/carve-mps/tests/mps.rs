@@ -1309,3 +1309,74 @@ fn a_daemon_refusing_or_dying_on_a_second_share_leaves_the_first_untouched() {
     assert!(c.stop_if_idle().unwrap());
     assert!(node.daemons().is_empty());
 }
+
+/// The same on this machine's own cgroup tree, where it is cgroup v1 with
+/// its real controllers (cpuset among them, which refuses a process in a
+/// cgroup without CPUs): the daemon runs in its unit's cgroup in every
+/// hierarchy and serves; the cgroups go with it. Root only; skipped where
+/// `/sys/fs/cgroup` is not a writable v1 tree with cpuset.
+#[test]
+fn on_the_hosts_cgroup_v1_tree_the_daemon_joins_every_hierarchy_cpuset_included() {
+    let host = Path::new("/sys/fs/cgroup");
+    let dir = PathBuf::from(format!("carve-test-mps-{}", std::process::id()));
+    if !root()
+        || !host.join("cpuset/cpuset.cpus").is_file()
+        || std::fs::create_dir(host.join("cpuset").join(&dir)).is_err()
+    {
+        eprintln!(
+            "skipped: needs root and a writable cgroup v1 tree with cpuset at /sys/fs/cgroup"
+        );
+        return;
+    }
+    let _ = std::fs::remove_dir(host.join("cpuset").join(&dir));
+    let mut node = Node::new(&[]);
+    node.cfg.shm_launcher = Some(PathBuf::from(FAKE));
+    node.cfg.cgroup_root = host.to_path_buf();
+    node.cfg.daemon_cgroup = Some(dir.clone());
+    let support = detect(&node.cfg).unwrap();
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let prepared = c.prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None);
+    let seen = prepared.as_ref().ok().map(|a| {
+        let id = c.identity().unwrap().clone();
+        let joined: Vec<(PathBuf, bool)> = id
+            .cgroups
+            .iter()
+            .map(|d| {
+                let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+                let has = procs.split_whitespace().any(|p| p == id.pid.to_string());
+                (d.clone(), has)
+            })
+            .collect();
+        (joined, client_of(a, 1000))
+    });
+    let stopped = prepared.is_ok()
+        && c.remove_client("claim-a", "s1").unwrap_or(false)
+        && c.stop_if_idle().unwrap_or(false);
+    // Clean up the shared parents in every hierarchy, whatever happened.
+    if let Ok(rd) = std::fs::read_dir(host) {
+        for e in rd.flatten() {
+            let p = e.path().join(&dir);
+            let _ = std::fs::remove_dir(p.join("gpu-0-mps"));
+            let _ = std::fs::remove_dir(&p);
+        }
+    }
+    prepared.unwrap();
+    let (joined, client) = seen.unwrap();
+    assert!(joined.len() > 1, "one cgroup per v1 hierarchy: {joined:?}");
+    assert!(
+        joined
+            .iter()
+            .any(|(d, _)| d.starts_with(host.join("cpuset"))),
+        "{joined:?}"
+    );
+    for (d, has) in &joined {
+        assert!(has, "daemon not in {}", d.display());
+        assert!(!d.exists(), "{} left", d.display());
+    }
+    assert!(
+        client.starts_with(&format!("server=carve namespace={} ", ns("claim-a", "s1"))),
+        "{client}"
+    );
+    assert!(stopped, "the daemon stops with its last share");
+}

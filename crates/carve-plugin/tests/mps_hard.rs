@@ -15,7 +15,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use carve_apiserver::{ApiServer, Resource};
+use carve_apiserver::ApiServer;
 use carve_mps::fake_smi::{self, Config, FakeGpu, fixture};
 use carve_mps::memlimit::{MIB, dmem_value};
 use carve_mps::{MpsConfig, ProtocolChoice};
@@ -151,30 +151,13 @@ fn put(
                 "consumedCapacity": {"memory": mem, "multiprocessors": "10"}})
         })
         .collect();
-    let mut devices = serde_json::json!({"results": results});
-    if demand {
-        devices["config"] = serde_json::json!([{
+    let config = demand.then(|| {
+        serde_json::json!([{
             "source": "FromClaim", "requests": ["r"], "opaque": {
                 "driver": "gpu.carve.dev",
-                "parameters": {"apiVersion": "gpu.carve.dev/v1alpha1", "kind": "MpsConfig", "memoryLimit": "hard"}}}]);
-    }
-    let reserved: Vec<serde_json::Value> = pods
-        .iter()
-        .enumerate()
-        .map(|(i, p)| serde_json::json!({"resource": "pods", "name": format!("pod-{name}-{i}"), "uid": p}))
-        .collect();
-    let obj = serde_json::json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default", "uid": uid},
-        "spec": {"devices": {"requests": []}},
-        "status": {"allocation": {"devices": devices}, "reservedFor": reserved},
+                "parameters": {"apiVersion": "gpu.carve.dev/v1alpha1", "kind": "MpsConfig", "memoryLimit": "hard"}}}])
     });
-    api.store().insert(Resource::ResourceClaims, obj).unwrap();
-    ClaimRef {
-        namespace: "default".into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
+    put_results_config(api, name, uid, results, config, pods)
 }
 
 fn ok(

@@ -224,7 +224,22 @@ pub fn put_results(
     results: Vec<serde_json::Value>,
     reserved_for: &[&str],
 ) -> ClaimRef {
+    put_results_config(api, name, uid, results, None, reserved_for)
+}
+
+/// [`put_results`] with the allocation's opaque `config` entries.
+pub fn put_results_config(
+    api: &ApiServer,
+    name: &str,
+    uid: &str,
+    results: Vec<serde_json::Value>,
+    config: Option<serde_json::Value>,
+    reserved_for: &[&str],
+) -> ClaimRef {
     let mut status = serde_json::json!({"allocation": {"devices": {"results": results}}});
+    if let Some(c) = config {
+        status["allocation"]["devices"]["config"] = c;
+    }
     if !reserved_for.is_empty() {
         status["reservedFor"] = reserved_for
             .iter()

@@ -158,16 +158,26 @@ impl Support {
         pci: Option<&str>,
         mig: bool,
     ) -> MpsCapabilities {
+        let hard = !mig && crate::memlimit::whole_gpu(self, cgroup_root, pci).is_ok();
+        self.unit_capabilities(mig, hard)
+    }
+
+    /// [`Support::capabilities_of`] for a caller that already knows whether
+    /// memory partitioning holds for the unit (`hard`, from
+    /// [`crate::memlimit::whole_gpu`]).
+    #[must_use]
+    pub fn unit_capabilities(&self, mig: bool, hard: bool) -> MpsCapabilities {
         let c = self.capabilities();
         if mig {
             return c.on_mig();
         }
-        match crate::memlimit::whole_gpu(self, cgroup_root, pci) {
-            Ok(_) => MpsCapabilities {
+        if hard {
+            MpsCapabilities {
                 memory_limit: MemoryLimit::Hard,
                 ..c
-            },
-            Err(_) => c,
+            }
+        } else {
+            c
         }
     }
 

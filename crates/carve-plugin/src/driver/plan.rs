@@ -284,9 +284,7 @@ fn plan_share(
     } else {
         carve_mps::memlimit::whole_gpu(&setup.support, root, Some(&gpu.info.pci_bus_id))
     };
-    let caps = setup
-        .support
-        .capabilities_of(root, Some(&gpu.info.pci_bus_id), mig);
+    let caps = setup.support.unit_capabilities(mig, hard.is_ok());
     let need = effective_mps(configs, &r.request, &r.device, true)?;
     check_demands(&r.device, &need, caps, hard.as_ref().err())?;
     let demanded = need.memory_limit == Some(carve_model::sharing::MemoryLimit::Hard);

@@ -7,6 +7,8 @@
 //! Waits poll a condition (a socket appears, slices are published) every
 //! [`POLL`] until [`DEADLINE`], and give up at once when the child exits.
 
+pub mod cluster;
+
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};

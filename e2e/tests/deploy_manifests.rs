@@ -882,11 +882,17 @@ fn kind_overlay(change: &str) -> String {
 }
 
 #[test]
-fn simulator_without_library_is_rejected() {
-    assert_rejected(
-        &kind_overlay("nvml: {lib: ''}"),
-        "/nvml",
-        "nvml.simulator.enabled is true but nvml.lib is empty",
+fn simulator_without_library_takes_nvml_from_the_driver_root() {
+    // The simulator placed where a GPU node's driver has libnvidia-ml.so.1
+    // (the real-cluster suite does so): no --nvml-lib, the plugin looks in
+    // the driver root.
+    let v: serde_yaml::Value = serde_yaml::from_str(&kind_overlay("nvml: {lib: ''}")).unwrap();
+    let m = render_valid(&v);
+    let a = args(plugin_container(one(&m.daemonsets, "DaemonSet")));
+    assert!(!a.iter().any(|x| x.starts_with("--nvml-lib")), "{a:?}");
+    assert!(
+        a.contains(&"--container-driver-root=/driver-root".to_string()),
+        "{a:?}"
     );
 }
 

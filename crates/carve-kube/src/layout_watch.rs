@@ -74,6 +74,37 @@ impl VersionWatch {
         })
     }
 
+    /// Reads the version once; where the API server does not answer (a
+    /// plugin restarted while the control plane is down), starts from the
+    /// version an earlier start recorded in `record` instead, so that the
+    /// plugin can register with the kubelet and serve the claims it has
+    /// prepared; [`VersionWatch::refresh`] then reads the real one when the
+    /// server answers. A version read is recorded there.
+    ///
+    /// Returns the watch and, when it started from the record, why the
+    /// server's version could not be read.
+    ///
+    /// # Errors
+    /// The version could not be read and nothing was recorded (or the
+    /// record is unreadable): the read's error.
+    pub async fn new_or_recorded(
+        client: Client,
+        record: &std::path::Path,
+    ) -> Result<(Self, Option<PublishError>), PublishError> {
+        match Self::new(client.clone()).await {
+            Ok(w) => {
+                if let Err(e) = write_record(record, w.version) {
+                    tracing::warn!(path = %record.display(), error = %e, "could not record the API server version");
+                }
+                Ok((w, None))
+            }
+            Err(e) => match read_record(record) {
+                Some(version) => Ok((Self { client, version }, Some(e))),
+                None => Err(e),
+            },
+        }
+    }
+
     /// The version as last read.
     #[must_use]
     pub fn version(&self) -> KubeVersion {
@@ -99,6 +130,20 @@ impl VersionWatch {
         self.version = now;
         Ok(Some(change))
     }
+}
+
+/// `major.minor` on one line, replaced atomically (temp file and rename).
+fn write_record(path: &std::path::Path, v: KubeVersion) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{v}\n"))?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The recorded version, if the file holds one.
+fn read_record(path: &std::path::Path) -> Option<KubeVersion> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let (major, minor) = text.trim().split_once('.')?;
+    Some(KubeVersion::new(major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// What to tell the operator when the API server's version changes in a way

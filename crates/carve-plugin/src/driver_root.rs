@@ -75,6 +75,16 @@ pub enum DriverRootError {
         /// The paths looked at.
         looked: String,
     },
+    /// The driver root has no NVML library.
+    #[error("NVIDIA driver root {root}: no {name}; looked for {looked}")]
+    NoNvml {
+        /// The driver root (plugin's view).
+        root: PathBuf,
+        /// The library's name.
+        name: String,
+        /// The paths looked at.
+        looked: String,
+    },
     /// NVML reported no driver version (no GPU).
     #[error("NVML reports no GPU, so no driver version to look for the driver's libraries with")]
     NoVersion,
@@ -442,26 +452,45 @@ impl Roots<'_> {
     }
 }
 
-/// `libcuda.so.<version>` in the first library directory under `root`
-/// that has it.
-fn find_libcuda(root: &Path, version: &str) -> Result<PathBuf, DriverRootError> {
-    let libcuda_name = format!("libcuda.so.{version}");
-    let candidates: Vec<PathBuf> = LIB_DIRS
-        .iter()
-        .map(|d| root.join(d).join(&libcuda_name))
-        .collect();
+/// `name` in the first library directory under `root` that has it, or
+/// every path looked at.
+fn find_library(root: &Path, name: &str) -> Result<PathBuf, String> {
+    let candidates: Vec<PathBuf> = LIB_DIRS.iter().map(|d| root.join(d).join(name)).collect();
     candidates
         .iter()
         .find(|p| p.is_file())
         .cloned()
         .ok_or_else(|| {
             let looked: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
-            DriverRootError::NoLibcuda {
-                root: root.to_path_buf(),
-                version: version.to_string(),
-                looked: looked.join(", "),
-            }
+            looked.join(", ")
         })
+}
+
+/// `libcuda.so.<version>` in the first library directory under `root`
+/// that has it.
+fn find_libcuda(root: &Path, version: &str) -> Result<PathBuf, DriverRootError> {
+    find_library(root, &format!("libcuda.so.{version}")).map_err(|looked| {
+        DriverRootError::NoLibcuda {
+            root: root.to_path_buf(),
+            version: version.to_string(),
+            looked,
+        }
+    })
+}
+
+/// The driver's NVML, `name` (`libnvidia-ml.so.1`), in the first library
+/// directory under the driver root `root` (as the plugin sees it) that has
+/// it: a host driver's (`/`) or a driver container's (the GPU Operator's
+/// `/run/nvidia/driver`), whose libraries the plugin's image does not have.
+///
+/// # Errors
+/// [`DriverRootError::NoNvml`], naming every path looked at.
+pub fn find_nvml(root: &Path, name: &str) -> Result<PathBuf, DriverRootError> {
+    find_library(root, name).map_err(|looked| DriverRootError::NoNvml {
+        root: root.to_path_buf(),
+        name: name.to_string(),
+        looked,
+    })
 }
 
 /// Libraries: every regular file `*.so.<version>` in `dir` (beside

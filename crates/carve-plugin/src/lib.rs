@@ -59,7 +59,9 @@ pub use config::{
     OpaqueConfig, PluginConfig, Retry, WriteFault,
 };
 pub use driver::{API_CONCURRENCY, ClaimError, Driver, RecoveryReport, STATUS_SETTLE};
-pub use driver_root::{DriverFiles, DriverRootConfig, DriverRootError, caps_major, discover};
+pub use driver_root::{
+    DriverFiles, DriverRootConfig, DriverRootError, caps_major, discover, find_nvml,
+};
 pub use error::PluginError;
 pub use metrics::failure_reason;
 pub use server::{Registration, Serving, SocketPaths, run, serve};

@@ -93,6 +93,40 @@ impl NvmlArgs {
         // The backend's error names the library it tried.
         carve_nvml::NvmlBackend::open(opts).map_err(|e| anyhow::anyhow!("opening NVML: {e}"))
     }
+
+    /// Open the NVML backend of the NVIDIA driver under `driver_root` (the
+    /// plugin's view of it): a library name (the default
+    /// `libnvidia-ml.so.1`) is looked for in the driver root's library
+    /// directories first, since the plugin's image has no driver, and then
+    /// through the dynamic loader; a path is opened as it is.
+    pub fn open_in_driver_root(
+        &self,
+        driver_root: &std::path::Path,
+    ) -> anyhow::Result<carve_nvml::NvmlBackend> {
+        let name = self.nvml_lib.to_string_lossy();
+        if name.contains('/') {
+            return self.open();
+        }
+        let in_root = match carve_plugin::find_nvml(driver_root, &name) {
+            Ok(path) => {
+                tracing::info!(path = %path.display(), "NVML from the driver root");
+                let at = NvmlArgs {
+                    nvml_lib: path,
+                    ..self.clone()
+                };
+                return at.open();
+            }
+            Err(e) => e,
+        };
+        self.open().map_err(|loader| {
+            anyhow::anyhow!(
+                "{in_root}; and the dynamic loader: {loader:#}. Point the chart's driverRoot \
+                 (--container-driver-root in the plugin) at the NVIDIA driver's root: / for a \
+                 driver on the host, /run/nvidia/driver for the GPU Operator's driver container; \
+                 or --nvml-lib (nvml.lib) at the library"
+            )
+        })
+    }
 }
 
 #[derive(Debug, clap::Args)]

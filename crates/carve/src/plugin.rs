@@ -453,7 +453,7 @@ pub fn run(args: PluginArgs) -> anyhow::Result<()> {
     ensure_dir(&args.cdi_dir, "--cdi-dir")?;
     let plugin_dir = args.plugins_dir.join(carve_model::DRIVER_NAME);
     ensure_dir(&plugin_dir, "--plugins-dir")?;
-    let nvml = Arc::new(args.nvml.open()?);
+    let nvml = Arc::new(args.nvml.open_in_driver_root(&args.container_driver_root)?);
     let backend: Arc<dyn GpuBackend> = nvml.clone();
     let events: Arc<dyn carve_gpu::GpuEvents> = nvml;
     let inv = inventory(backend.as_ref(), &args.mig_policy)?;
@@ -566,9 +566,13 @@ async fn publish(
 ) -> anyhow::Result<Publishing> {
     // The API server's version picks the slice layout; it is read again
     // every resync and after a failed publish (see `follow_version`).
-    let versions = carve_kube::VersionWatch::new(client.clone())
+    let record = args.state_dir.join("apiserver-version");
+    let (versions, unread) = carve_kube::VersionWatch::new_or_recorded(client.clone(), &record)
         .await
-        .context("reading the API server version")?;
+        .context("reading the API server version (no version recorded by an earlier start)")?;
+    if let Some(e) = unread {
+        tracing::warn!(error = %e, version = %versions.version(), "the API server does not answer: starting with the version an earlier start read, to serve the kubelet; publishing resumes when the server answers");
+    }
     let version = versions.version();
     let build = slice_builder(args, node, version)?;
     let desired = build.slices(version)?;

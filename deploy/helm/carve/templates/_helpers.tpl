@@ -59,9 +59,6 @@ values.schema.json rejects the same combinations; this is the second line for
 {{- if and .Values.mps.enabled (not .Values.kubeletPlugin.privileged) -}}
 {{- fail "mps.enabled is true but kubeletPlugin.privileged is false: MPS needs privileged (compute-mode changes on the GPU device files and Bidirectional mount propagation of the MPS shm tmpfs)" -}}
 {{- end -}}
-{{- if and .Values.nvml.simulator.enabled (not .Values.nvml.lib) -}}
-{{- fail "nvml.simulator.enabled is true but nvml.lib is empty: set nvml.lib to the simulator library, e.g. /opt/carve/libnvidia_ml_sim.so" -}}
-{{- end -}}
 {{- if .Values.nvml.simulator.enabled -}}
 {{- if not .Values.nvml.simulator.config.procRoot -}}
 {{- fail "nvml.simulator.enabled is true but nvml.simulator.config.procRoot is empty: give the simulator's configuration (nodeName, gpus, stateFile, procRoot)" -}}

@@ -1,0 +1,865 @@
+//! carve on a real one-node Kubernetes cluster: the control plane, kubelet
+//! and containerd built from their upstream modules (`e2e/cluster/build.sh`,
+//! [`carve_e2e::cluster`]), carve installed by its own chart with the real
+//! helm, its image built here from the binary this build made, and the NVML
+//! simulator in a fake driver root on the host where a GPU node's driver
+//! would be.
+//!
+//! Without the cluster's programs it prints `SKIPPED real-cluster suite` and
+//! what is missing, and passes, unless `CARVE_CLUSTER_REQUIRED=1` (CI sets
+//! it): then a missing program fails it. Root only.
+//!
+//! `CARVE_E2E_KEEP=1` leaves the cluster's directory (logs, specs, state)
+//! behind; `CARVE_KUBE_VERSION` picks another built Kubernetes release.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use carve_e2e::cluster::{self, Binaries, Cluster, ClusterError, Component};
+use carve_e2e::{carve_binary, sim_library, workspace_root};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
+use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
+use kube::{Api, Client};
+
+const NS: &str = "carve-e2e";
+const PLUGIN_NS: &str = "carve-system";
+/// The GPUs of the simulated node: what `deploy/kind/values-kind.yaml` has.
+const SIM_GPUS: &str = r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb"}]"#;
+const SIM_GPU_COUNT: u32 = 3;
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn say(s: &str) {
+    eprintln!("[real-cluster {:>7.1}s] {s}", START.elapsed().as_secs_f64());
+}
+
+static START: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+
+/// What the probe container prints: its GPU-related environment, the
+/// device nodes and driver libraries it was given, and for MPS what its
+/// pipe directory holds. One fact a line, parsed by [`Probe::parse`].
+const PROBE_SCRIPT: &str = r#"
+for v in $(env | grep -E '^(NVIDIA|CUDA)_' | cut -d= -f1 | sort); do eval "echo env $v=\$$v"; done
+for d in /dev/nvidia* /dev/nvidia-caps/*; do
+  [ -c "$d" ] && echo "dev $d $(stat -c '%t:%T' "$d")"
+done
+for l in /usr/lib/x86_64-linux-gnu/libcuda.so* /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*; do
+  [ -e "$l" ] && echo "lib $l"
+done
+if [ -n "$CUDA_MPS_PIPE_DIRECTORY" ]; then
+  for f in "$CUDA_MPS_PIPE_DIRECTORY"/*; do [ -e "$f" ] && echo "mps $f"; done
+fi
+echo probe-done
+"#;
+
+#[derive(Debug, Default)]
+struct Probe {
+    env: BTreeMap<String, String>,
+    devs: Vec<String>,
+    libs: Vec<String>,
+    mps: Vec<String>,
+    done: bool,
+}
+
+impl Probe {
+    fn parse(log: &str) -> Self {
+        let mut p = Probe::default();
+        for line in log.lines() {
+            if let Some(kv) = line.strip_prefix("env ") {
+                if let Some((k, v)) = kv.split_once('=') {
+                    p.env.insert(k.into(), v.into());
+                }
+            } else if let Some(d) = line.strip_prefix("dev ") {
+                p.devs.push(d.split(' ').next().unwrap_or(d).into());
+            } else if let Some(l) = line.strip_prefix("lib ") {
+                p.libs.push(l.into());
+            } else if let Some(m) = line.strip_prefix("mps ") {
+                p.mps.push(m.into());
+            } else if line == "probe-done" {
+                p.done = true;
+            }
+        }
+        p
+    }
+}
+
+fn required() -> bool {
+    std::env::var("CARVE_CLUSTER_REQUIRED").is_ok_and(|v| v == "1")
+}
+
+/// The host side of a GPU node: the NVIDIA driver's files under a driver
+/// root, where the simulator library stands in for `libnvidia-ml.so.<ver>`
+/// (as the real one is on a GPU node), and the simulator's configuration
+/// and fake `/proc/devices` in the plugin's state directory.
+struct GpuHost {
+    driver_root: PathBuf,
+    state_dir: PathBuf,
+    sim_config: serde_json::Value,
+}
+
+fn gpu_host(root: &Path, sim_lib: &Path) -> R<GpuHost> {
+    let version = "580.65.06";
+    let minors: Vec<u32> = (0..SIM_GPU_COUNT).collect();
+    let fake =
+        nvidia_ml_sim::driver_root::write_fake_driver(&root.join("gpu-host"), version, &minors)?;
+    let nvml = fake
+        .root
+        .join(nvidia_ml_sim::driver_root::LIB_DIR)
+        .join(format!("libnvidia-ml.so.{version}"));
+    std::fs::copy(sim_lib, &nvml)?;
+    let state_dir = root.join("carve-state");
+    let sim_dir = state_dir.join("nvml-sim");
+    std::fs::create_dir_all(&sim_dir)?;
+    std::fs::copy(&fake.devices_file, sim_dir.join("devices"))?;
+    let sim_config = serde_json::json!({
+        "nodeName": cluster::NODE,
+        "gpus": serde_json::from_str::<serde_json::Value>(SIM_GPUS)?,
+        "stateFile": "/var/lib/carve/nvml-sim/state.json",
+        "procRoot": "/var/lib/carve/nvml-sim/proc",
+        "driverVersion": version,
+    });
+    Ok(GpuHost {
+        driver_root: fake.root,
+        state_dir,
+        sim_config,
+    })
+}
+
+/// The chart's values for this node: the defaults of a GPU node (privileged
+/// plugin, NVML from the driver root) but for the image built here, the
+/// kubelet's and containerd's directories of this cluster, and the simulator.
+fn values(c: &Cluster, host: &GpuHost) -> R<PathBuf> {
+    let v = serde_json::json!({
+        "image": {"repository": cluster::CARVE_REPOSITORY, "tag": cluster::CARVE_TAG, "pullPolicy": "Never"},
+        "logLevel": "info,carve=debug",
+        "driverRoot": host.driver_root,
+        "kubeletPlugin": {
+            "kubeletRootDir": c.layout.kubelet_root,
+            "cdiDir": c.layout.cdi,
+            "stateDir": host.state_dir,
+            "procDriverNvidia": "/var/lib/carve/nvml-sim/proc",
+            "procDevices": "/var/lib/carve/nvml-sim/devices",
+        },
+        "nvml": {"simulator": {"enabled": true, "config": host.sim_config}},
+    });
+    let path = c.layout.root.join("values.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
+    Ok(path)
+}
+
+async fn wait<T, F, Fut>(what: &str, within: Duration, mut f: F) -> R<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if start.elapsed() > within {
+            return Err(format!("timed out after {within:?} waiting for {what}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn plugin_pods(client: &Client) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), PLUGIN_NS);
+    pods.list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+}
+
+/// Every plugin pod's status and log, for a failure message.
+async fn plugin_report(client: &Client) -> String {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), PLUGIN_NS);
+    let mut s = String::new();
+    for p in plugin_pods(client).await {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        s.push_str(&format!(
+            "\n--- plugin pod {name}: {}\n",
+            serde_json::to_string(&p.status).unwrap_or_default()
+        ));
+        for previous in [true, false] {
+            let lp = LogParams {
+                previous,
+                tail_lines: Some(60),
+                ..Default::default()
+            };
+            if let Ok(log) = pods.logs(&name, &lp).await {
+                s.push_str(&format!("--- log (previous: {previous}):\n{log}\n"));
+            }
+        }
+    }
+    s
+}
+
+async fn slices(client: &Client) -> Vec<ResourceSlice> {
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let lp = ListParams::default().fields(&format!("spec.nodeName={}", cluster::NODE));
+    api.list(&lp)
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| s.spec.driver == carve_model::DRIVER_NAME)
+        .collect()
+}
+
+fn device_count(slices: &[ResourceSlice]) -> usize {
+    slices
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum()
+}
+
+/// A Pod of the probe image that uses `claims` (name → claim or template).
+fn probe_pod(name: &str, claims: &[(String, bool)], script: &str) -> R<Pod> {
+    let refs: Vec<serde_json::Value> = claims
+        .iter()
+        .map(|(c, template)| {
+            if *template {
+                serde_json::json!({"name": c, "resourceClaimTemplateName": c})
+            } else {
+                serde_json::json!({"name": c, "resourceClaimName": c})
+            }
+        })
+        .collect();
+    let uses: Vec<serde_json::Value> = claims
+        .iter()
+        .map(|(c, _)| serde_json::json!({"name": c}))
+        .collect();
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "probe",
+                "image": cluster::PROBE_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", script],
+                "resources": {"claims": uses},
+            }],
+            "resourceClaims": refs,
+        },
+    }))?)
+}
+
+/// An example's objects: its claims (made directly) or templates, and the
+/// pod that uses them, rewritten to run the probe image (no registry here).
+struct Example {
+    name: String,
+    claims: Vec<ResourceClaim>,
+    templates: Vec<ResourceClaimTemplate>,
+    pod: Pod,
+}
+
+fn load_example(dir: &Path, script: &str) -> R<Example> {
+    let name = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or("example dir name")?
+        .to_string();
+    let mut claims = Vec::new();
+    let mut templates = Vec::new();
+    let mut users_pod = None;
+    for f in ["claim.yaml", "pod.yaml"] {
+        let p = dir.join(f);
+        let Ok(text) = std::fs::read_to_string(&p) else {
+            continue;
+        };
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
+            match v["kind"].as_str() {
+                Some("ResourceClaim") => claims.push(serde_json::from_value(v)?),
+                Some("ResourceClaimTemplate") => templates.push(serde_json::from_value(v)?),
+                Some("Pod") => users_pod = Some(v),
+                other => return Err(format!("{}: unexpected kind {other:?}", p.display()).into()),
+            }
+        }
+    }
+    let mut uses: Vec<(String, bool)> = claims
+        .iter()
+        .map(|c: &ResourceClaim| (c.metadata.name.clone().unwrap_or_default(), false))
+        .collect();
+    if let Some(pod) = &users_pod {
+        // The pod's own claim references, kept as the user wrote them.
+        for rc in pod["spec"]["resourceClaims"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            if let Some(t) = rc["resourceClaimTemplateName"].as_str() {
+                uses.push((t.to_string(), true));
+            } else if let Some(c) = rc["resourceClaimName"].as_str() {
+                uses.push((c.to_string(), false));
+            }
+        }
+    }
+    let pod = probe_pod(&format!("probe-{name}"), &uses, script)?;
+    Ok(Example {
+        name,
+        claims,
+        templates,
+        pod,
+    })
+}
+
+async fn apply_example(client: &Client, ex: &Example) -> R<()> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let pp = PostParams::default();
+    for c in &ex.claims {
+        claims.create(&pp, c).await?;
+    }
+    for t in &ex.templates {
+        templates.create(&pp, t).await?;
+    }
+    pods.create(&pp, &ex.pod).await?;
+    Ok(())
+}
+
+async fn delete_example(client: &Client, ex: &Example) -> R<()> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let dp = DeleteParams::default();
+    let pod = ex.pod.metadata.name.clone().unwrap_or_default();
+    pods.delete(&pod, &dp).await?;
+    wait(&format!("pod {pod} gone"), Duration::from_secs(60), || {
+        let pods = pods.clone();
+        let pod = pod.clone();
+        async move { matches!(pods.get_opt(&pod).await, Ok(None)).then_some(()) }
+    })
+    .await?;
+    for c in &ex.claims {
+        claims
+            .delete(c.metadata.name.as_deref().unwrap_or_default(), &dp)
+            .await?;
+    }
+    for t in &ex.templates {
+        templates
+            .delete(t.metadata.name.as_deref().unwrap_or_default(), &dp)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Waits for the pod to end; its phase and log.
+async fn pod_result(client: &Client, name: &str, within: Duration) -> R<(String, String)> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let phase = wait(&format!("pod {name} to end"), within, || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get_opt(name).await.ok().flatten()?;
+            let phase = p.status?.phase?;
+            matches!(phase.as_str(), "Succeeded" | "Failed").then_some(phase)
+        }
+    })
+    .await?;
+    let log = pods.logs(name, &LogParams::default()).await?;
+    Ok((phase, log))
+}
+
+/// Why the scheduler left the pod pending (its PodScheduled condition).
+async fn unschedulable_reason(client: &Client, name: &str, within: Duration) -> R<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    wait(&format!("pod {name} unschedulable"), within, || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get_opt(name).await.ok().flatten()?;
+            p.status?
+                .conditions?
+                .into_iter()
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+                .and_then(|c| c.message)
+        }
+    })
+    .await
+}
+
+/// GPU instances alive in the simulator (its state file on the host).
+fn gpu_instances(host: &GpuHost) -> R<usize> {
+    let st = nvidia_ml_sim::SimState::load(&host.state_dir.join("nvml-sim/state.json"))?;
+    Ok(st.map_or(0, |s| s.gpus.iter().map(|g| g.gpu_instances.len()).sum()))
+}
+
+fn claim_specs(c: &Cluster) -> Vec<String> {
+    std::fs::read_dir(&c.layout.cdi)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("claim"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Which examples this node can give a device, and what its probe must show.
+fn expect_for(example: &str) -> Expect {
+    match example {
+        e if e.starts_with("mig") && e != "mig-mps" => Expect::Mig,
+        "whole-gpu" => Expect::Gpu,
+        // The chart's defaults publish neither MPS nor time-slice devices.
+        _ => Expect::Pending,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    Mig,
+    Gpu,
+    Pending,
+}
+
+fn check_probe(example: &str, expect: Expect, log: &str) -> R<()> {
+    let p = Probe::parse(log);
+    let fail = |why: &str| -> Box<dyn std::error::Error> {
+        format!("example {example}: {why}; the container printed:\n{log}").into()
+    };
+    if !p.done {
+        return Err(fail("the probe did not finish"));
+    }
+    let visible = p
+        .env
+        .get("NVIDIA_VISIBLE_DEVICES")
+        .cloned()
+        .unwrap_or_default();
+    let prefix = if expect == Expect::Mig {
+        "MIG-"
+    } else {
+        "GPU-"
+    };
+    if !visible.split(',').all(|d| d.starts_with(prefix)) || visible.is_empty() {
+        return Err(fail(&format!(
+            "NVIDIA_VISIBLE_DEVICES={visible:?}, wanted {prefix}… ids"
+        )));
+    }
+    if !p.devs.iter().any(|d| d == "/dev/nvidiactl") {
+        return Err(fail("no /dev/nvidiactl"));
+    }
+    if !p.devs.iter().any(|d| {
+        d.strip_prefix("/dev/nvidia")
+            .is_some_and(|m| m.parse::<u32>().is_ok())
+    }) {
+        return Err(fail("no /dev/nvidia<N> GPU node"));
+    }
+    let caps = p
+        .devs
+        .iter()
+        .filter(|d| d.starts_with("/dev/nvidia-caps/"))
+        .count();
+    if expect == Expect::Mig && caps < 2 {
+        return Err(fail(
+            "a MIG device needs its GPU and compute instance capability nodes",
+        ));
+    }
+    if expect == Expect::Gpu && caps > 0 {
+        return Err(fail("a whole GPU got MIG capability nodes"));
+    }
+    if !p.libs.iter().any(|l| l.ends_with("libcuda.so.1")) {
+        return Err(fail("libcuda.so.1 from the driver root is not mounted"));
+    }
+    Ok(())
+}
+
+async fn ensure_namespace(client: &Client, name: &str) -> R<()> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+    match api.create(&PostParams::default(), &ns).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn plugin_ready(client: &Client, within: Duration) -> R<()> {
+    let ds: Api<DaemonSet> = Api::namespaced(client.clone(), PLUGIN_NS);
+    wait("the plugin DaemonSet ready", within, || {
+        let ds = ds.clone();
+        async move {
+            let list = ds.list(&ListParams::default()).await.ok()?;
+            let d = list.items.first()?;
+            let s = d.status.as_ref()?;
+            (s.number_ready == 1
+                && s.desired_number_scheduled == 1
+                && s.updated_number_scheduled == Some(1)
+                && s.number_available == Some(1))
+            .then_some(())
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn carve_on_a_real_one_node_cluster() {
+    let bins = match Binaries::locate(&cluster::kube_version()) {
+        Ok(b) => b,
+        Err(e) if !required() => {
+            eprintln!("SKIPPED real-cluster suite: {e}");
+            return;
+        }
+        Err(e) => panic!("CARVE_CLUSTER_REQUIRED=1: {e}"),
+    };
+    let carve = carve_binary().expect("carve binary");
+    let sim = sim_library().expect("NVML simulator library");
+    // Short: the kubelet's plugin sockets live under it (sockaddr_un).
+    let root = PathBuf::from(format!("/tmp/carve-cl-{}", std::process::id()));
+    say(&format!(
+        "starting Kubernetes {} under {}",
+        bins.kube_version,
+        root.display()
+    ));
+    let mut c = match Cluster::start(bins, &root, &carve, &sim).await {
+        Ok(c) => c,
+        Err(e) => panic!("the cluster did not start: {e}"),
+    };
+    say("cluster up, node Ready");
+    let client = c.client().await.expect("admin client");
+    if let Err(e) = suite(&mut c, &client).await {
+        panic!(
+            "{e}\n=== plugin ===\n{}\n=== components ===\n{}",
+            plugin_report(&client).await,
+            c.logs(30)
+        );
+    }
+}
+
+async fn suite(c: &mut Cluster, client: &Client) -> R<()> {
+    let sim = sim_library()?;
+    let host = gpu_host(&c.layout.root, &sim)?;
+    let values = values(&*c, &host)?;
+    let chart = workspace_root().join("deploy/helm/carve");
+    let installed = c.helm(&[
+        "install",
+        "carve",
+        &chart.display().to_string(),
+        "--namespace",
+        PLUGIN_NS,
+        "--create-namespace",
+        "-f",
+        &values.display().to_string(),
+    ]);
+    installed.map_err(|e: ClusterError| format!("helm install: {e}"))?;
+    say("chart installed by helm");
+    plugin_ready(client, Duration::from_secs(120)).await?;
+    let published = wait(
+        "carve's ResourceSlices",
+        Duration::from_secs(60),
+        || async {
+            let s = slices(client).await;
+            (device_count(&s) > 0).then_some(s)
+        },
+    )
+    .await?;
+    say(&format!(
+        "the kubelet registered the plugin; {} slices with {} devices accepted by the API server",
+        published.len(),
+        device_count(&published)
+    ));
+
+    ensure_namespace(client, NS).await?;
+    examples(&*c, client, &host).await?;
+    faults(c, client, &host).await?;
+    Ok(())
+}
+
+/// Every example: allocated by the scheduler, prepared by the plugin,
+/// injected by containerd; the container sees its devices; deleting the
+/// pod unprepares it.
+async fn examples(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(workspace_root().join("examples"))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        let ex = load_example(&dir, PROBE_SCRIPT)?;
+        let expect = expect_for(&ex.name);
+        apply_example(client, &ex).await?;
+        let pod = ex.pod.metadata.name.clone().unwrap_or_default();
+        if expect == Expect::Pending {
+            let why = unschedulable_reason(client, &pod, Duration::from_secs(60)).await?;
+            say(&format!(
+                "example {}: pending, as it must be here: {why}",
+                ex.name
+            ));
+        } else {
+            let (phase, log) = pod_result(client, &pod, Duration::from_secs(120)).await?;
+            if phase != "Succeeded" {
+                return Err(format!("example {}: pod {phase}; its log:\n{log}", ex.name).into());
+            }
+            check_probe(&ex.name, expect, &log)?;
+            say(&format!(
+                "example {}: ran; the container saw its devices",
+                ex.name
+            ));
+        }
+        delete_example(client, &ex).await?;
+        wait(
+            &format!(
+                "example {}: unprepared (no CDI spec, no GPU instance)",
+                ex.name
+            ),
+            Duration::from_secs(60),
+            || async {
+                (claim_specs(c).is_empty() && gpu_instances(host).ok() == Some(0)).then_some(())
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// A MIG claim (as `examples/mig-1g`) and a pod using it that prints what
+/// the probe prints, then runs for `seconds` (0: ends at once).
+fn mig_workload(name: &str, seconds: u32) -> R<(ResourceClaim, Pod)> {
+    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "mig.gpu.carve.dev",
+            "selectors": [{"cel": {"expression": "device.attributes[\"gpu.carve.dev\"].profile == \"1g.10gb\""}}],
+        }}]}},
+    }))?;
+    let script = format!("{PROBE_SCRIPT}\nexec sleep {seconds}");
+    let pod = probe_pod(name, &[(name.to_string(), false)], &script)?;
+    Ok((claim, pod))
+}
+
+async fn run_workload(client: &Client, name: &str, seconds: u32) -> R<()> {
+    let (claim, pod) = mig_workload(name, seconds)?;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    claims.create(&PostParams::default(), &claim).await?;
+    pods.create(&PostParams::default(), &pod).await?;
+    Ok(())
+}
+
+async fn remove_workload(client: &Client, name: &str) -> R<()> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.delete(name, &DeleteParams::default()).await?;
+    wait(&format!("pod {name} gone"), Duration::from_secs(90), || {
+        let pods = pods.clone();
+        async move { matches!(pods.get_opt(name).await, Ok(None)).then_some(()) }
+    })
+    .await?;
+    claims.delete(name, &DeleteParams::default()).await?;
+    Ok(())
+}
+
+async fn pod_running(client: &Client, name: &str) -> bool {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.get_opt(name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|p| p.status?.phase)
+        .is_some_and(|ph| ph == "Running")
+}
+
+/// The plugin container's restart count (the one plugin pod's).
+async fn plugin_restarts(client: &Client) -> R<i32> {
+    let pods = plugin_pods(client).await;
+    let [pod] = pods.as_slice() else {
+        return Err(format!("{} plugin pods, wanted one", pods.len()).into());
+    };
+    Ok(pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.first())
+        .map_or(0, |c| c.restart_count))
+}
+
+/// After a fault: the running pod kept its device, the plugin is back (one
+/// pod, ready), and a new pod is admitted, runs and is unprepared again.
+async fn still_serving(
+    c: &Cluster,
+    client: &Client,
+    host: &GpuHost,
+    fault: &str,
+    holder: &str,
+) -> R<()> {
+    plugin_ready(client, Duration::from_secs(120))
+        .await
+        .map_err(|e| format!("after {fault}: {e}"))?;
+    if !pod_running(client, holder).await {
+        return Err(format!("after {fault}: the running pod {holder} is no longer running").into());
+    }
+    if gpu_instances(host)? != 1 {
+        return Err(format!(
+            "after {fault}: {} GPU instances, wanted the running pod's one",
+            gpu_instances(host)?
+        )
+        .into());
+    }
+    let probe = format!("after-{}", fault.replace(' ', "-"));
+    run_workload(client, &probe, 0).await?;
+    let (phase, log) = pod_result(client, &probe, Duration::from_secs(120)).await?;
+    if phase != "Succeeded" {
+        return Err(format!("after {fault}: a new pod {phase}; its log:\n{log}").into());
+    }
+    check_probe(&probe, Expect::Mig, &log)?;
+    remove_workload(client, &probe).await?;
+    wait(
+        &format!("after {fault}: the new pod's claim unprepared"),
+        Duration::from_secs(60),
+        || async {
+            (gpu_instances(host).ok() == Some(1) && claim_specs(c).len() == 1).then_some(())
+        },
+    )
+    .await?;
+    say(&format!(
+        "{fault}: the running pod kept its MIG instance; a new pod was admitted and unprepared"
+    ));
+    Ok(())
+}
+
+/// The carve process of the plugin's container, seen from the host.
+fn plugin_process() -> Option<i32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .filter_map(Result::ok)
+        .find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            (args.first() == Some(&&b"/usr/local/bin/carve"[..])
+                && args.get(1) == Some(&&b"kubelet-plugin"[..]))
+            .then_some(pid)
+        })
+}
+
+/// Faults with a prepared claim under a running pod: the plugin pod
+/// deleted, the kubelet restarted, containerd restarted, a rolling update
+/// of the DaemonSet, and the plugin's process killed while the API server is
+/// down. After each, nothing is lost, no instance leaks, new pods are
+/// admitted.
+async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
+    let holder = "holder";
+    run_workload(client, holder, 3600).await?;
+    wait("the running pod", Duration::from_secs(120), || async {
+        pod_running(client, holder).await.then_some(())
+    })
+    .await?;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), PLUGIN_NS);
+    let old = plugin_pods(client).await;
+    for p in &old {
+        pods.delete(
+            p.metadata.name.as_deref().unwrap_or_default(),
+            &DeleteParams::default(),
+        )
+        .await?;
+    }
+    let old_uids: Vec<Option<String>> = old.iter().map(|p| p.metadata.uid.clone()).collect();
+    wait("a new plugin pod", Duration::from_secs(90), || async {
+        let now = plugin_pods(client).await;
+        (now.len() == 1 && !old_uids.contains(&now[0].metadata.uid)).then_some(())
+    })
+    .await?;
+    still_serving(c, client, host, "plugin pod deleted", holder).await?;
+
+    c.stop_component(Component::Kubelet);
+    c.start_component(Component::Kubelet).await?;
+    c.wait_node_ready(Duration::from_secs(120)).await?;
+    still_serving(c, client, host, "kubelet restarted", holder).await?;
+
+    c.stop_component(Component::Containerd);
+    c.start_component(Component::Containerd).await?;
+    still_serving(c, client, host, "containerd restarted", holder).await?;
+
+    // A rolling update: the pod template changes, maxSurge 1 starts the new
+    // pod beside the old one.
+    let chart = workspace_root().join("deploy/helm/carve");
+    let values = c.layout.root.join("values.json");
+    c.helm(&[
+        "upgrade",
+        "carve",
+        &chart.display().to_string(),
+        "--namespace",
+        PLUGIN_NS,
+        "-f",
+        &values.display().to_string(),
+        "--set",
+        "kubeletPlugin.podAnnotations.carve-e2e/rollout=2",
+    ])
+    .map_err(|e| format!("helm upgrade: {e}"))?;
+    let old_uids: Vec<Option<String>> = plugin_pods(client)
+        .await
+        .iter()
+        .map(|p| p.metadata.uid.clone())
+        .collect();
+    wait("the rolling update", Duration::from_secs(120), || async {
+        let now = plugin_pods(client).await;
+        (now.len() == 1
+            && !old_uids.contains(&now[0].metadata.uid)
+            && now[0].metadata.deletion_timestamp.is_none())
+        .then_some(())
+    })
+    .await?;
+    still_serving(c, client, host, "rolling update", holder).await?;
+
+    // The API server down while the plugin restarts: the kubelet restarts
+    // the killed container from the pod it knows; the plugin must register
+    // and serve from its checkpoint, not exit until the server is back.
+    let before = plugin_restarts(client).await?;
+    c.stop_component(Component::ApiServer);
+    let pid = plugin_process().ok_or("no carve kubelet-plugin process on the host")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    wait(
+        "the kubelet to restart the plugin container",
+        Duration::from_secs(60),
+        || async { plugin_process().filter(|p| *p != pid).map(|_| ()) },
+    )
+    .await?;
+    // Longer than the plugin's API timeout, so that a plugin that exits
+    // without the server would have done so by now.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    c.start_component(Component::ApiServer).await?;
+    plugin_ready(client, Duration::from_secs(120)).await?;
+    let after = plugin_restarts(client).await?;
+    if after != before + 1 {
+        return Err(format!(
+            "the plugin container restarted {} times while the API server was down, wanted once (the kill): it exited without the server",
+            after - before
+        )
+        .into());
+    }
+    still_serving(
+        c,
+        client,
+        host,
+        "API server down during a plugin restart",
+        holder,
+    )
+    .await?;
+
+    remove_workload(client, holder).await?;
+    wait(
+        "the running pod's claim unprepared",
+        Duration::from_secs(60),
+        || async {
+            (gpu_instances(host).ok() == Some(0) && claim_specs(c).is_empty()).then_some(())
+        },
+    )
+    .await?;
+    say("faults: nothing lost, no instance leaked");
+    Ok(())
+}

@@ -511,7 +511,14 @@ fn check_common(m: &Manifests) {
                 rules.push((g.clone(), res.clone(), verbs));
             }
         }
-        assert!(r.resource_names.is_none() && r.non_resource_urls.is_none());
+        // Only the driver subresource is narrowed by name: to this driver.
+        let narrowed = r.resources.iter().flatten().any(|x| x == "resourceclaims/driver");
+        assert_eq!(
+            r.resource_names.clone(),
+            narrowed.then(|| vec!["gpu.carve.dev".to_string()]),
+            "{r:?}"
+        );
+        assert!(r.non_resource_urls.is_none());
     }
     rules.sort();
     let v = |s: &[&str]| {
@@ -529,8 +536,13 @@ fn check_common(m: &Manifests) {
             ),
             (
                 "resource.k8s.io".to_string(),
+                "resourceclaims/driver".to_string(),
+                v(&["associated-node:patch"])
+            ),
+            (
+                "resource.k8s.io".to_string(),
                 "resourceclaims/status".to_string(),
-                v(&["update", "patch"])
+                v(&["patch"])
             ),
             (
                 "resource.k8s.io".to_string(),

@@ -42,7 +42,7 @@ static START: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::n
 /// device nodes and driver libraries it was given, and for MPS what its
 /// pipe directory holds. One fact a line, parsed by [`Probe::parse`].
 const PROBE_SCRIPT: &str = r#"
-for v in $(env | grep -E '^(NVIDIA|CUDA)_' | cut -d= -f1 | sort); do eval "echo env $v=\$$v"; done
+env | grep -E '^(NVIDIA|CUDA)_' | sort | sed 's/^/env /'
 for d in /dev/nvidia* /dev/nvidia-caps/*; do
   [ -c "$d" ] && echo "dev $d $(stat -c '%t:%T' "$d")"
 done
@@ -144,6 +144,7 @@ fn values(c: &Cluster, host: &GpuHost) -> R<PathBuf> {
             "procDevices": "/var/lib/carve/nvml-sim/devices",
         },
         "nvml": {"simulator": {"enabled": true, "config": host.sim_config}},
+        "timeslice": {"enabled": true},
     });
     let path = c.layout.root.join("values.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
@@ -370,6 +371,19 @@ async fn pod_result(client: &Client, name: &str, within: Duration) -> R<(String,
     Ok((phase, log))
 }
 
+/// Waits until the pod's probe has printed everything (it then sleeps).
+async fn probed(client: &Client, name: &str, within: Duration) -> R<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    wait(&format!("pod {name} to run its probe"), within, || {
+        let pods = pods.clone();
+        async move {
+            let log = pods.logs(name, &LogParams::default()).await.ok()?;
+            log.lines().any(|l| l == "probe-done").then_some(())
+        }
+    })
+    .await
+}
+
 /// Why the scheduler left the pod pending (its PodScheduled condition).
 async fn unschedulable_reason(client: &Client, name: &str, within: Duration) -> R<String> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
@@ -385,6 +399,51 @@ async fn unschedulable_reason(client: &Client, name: &str, within: Duration) -> 
         }
     })
     .await
+}
+
+/// What carve wrote into the `status.devices` of the pod's claims (the
+/// device's identity: the MIG or GPU UUID), as the API server kept it.
+async fn device_status(client: &Client, pod: &str) -> R<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let p = pods.get(pod).await?;
+    let names: Vec<String> = p
+        .status
+        .and_then(|s| s.resource_claim_statuses)
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.resource_claim_name)
+        .chain(
+            p.spec
+                .into_iter()
+                .flat_map(|s| s.resource_claims.unwrap_or_default())
+                .filter_map(|c| c.resource_claim_name),
+        )
+        .collect();
+    let mut seen = Vec::new();
+    for n in names {
+        let c = claims.get(&n).await?;
+        let devices = c.status.and_then(|s| s.devices).unwrap_or_default();
+        let ours: Vec<_> = devices
+            .iter()
+            .filter(|d| d.driver == carve_model::DRIVER_NAME)
+            .collect();
+        if ours.is_empty() {
+            return Err(format!(
+                "claim {n}: no status.devices entry of {} (the plugin's status write was refused or never made)",
+                carve_model::DRIVER_NAME
+            )
+            .into());
+        }
+        for d in ours {
+            seen.push(format!(
+                "{} {}",
+                d.device,
+                d.data.as_ref().map(|v| v.0.to_string()).unwrap_or_default()
+            ));
+        }
+    }
+    Ok(seen.join("; "))
 }
 
 /// GPU instances alive in the simulator (its state file on the host).
@@ -408,8 +467,8 @@ fn claim_specs(c: &Cluster) -> Vec<String> {
 fn expect_for(example: &str) -> Expect {
     match example {
         e if e.starts_with("mig") && e != "mig-mps" => Expect::Mig,
-        "whole-gpu" => Expect::Gpu,
-        // The chart's defaults publish neither MPS nor time-slice devices.
+        "whole-gpu" | "timeslice" => Expect::Gpu,
+        // MPS needs its control daemon, which no double runs here yet.
         _ => Expect::Pending,
     }
 }
@@ -429,20 +488,11 @@ fn check_probe(example: &str, expect: Expect, log: &str) -> R<()> {
     if !p.done {
         return Err(fail("the probe did not finish"));
     }
-    let visible = p
-        .env
-        .get("NVIDIA_VISIBLE_DEVICES")
-        .cloned()
-        .unwrap_or_default();
-    let prefix = if expect == Expect::Mig {
-        "MIG-"
-    } else {
-        "GPU-"
-    };
-    if !visible.split(',').all(|d| d.starts_with(prefix)) || visible.is_empty() {
-        return Err(fail(&format!(
-            "NVIDIA_VISIBLE_DEVICES={visible:?}, wanted {prefix}… ids"
-        )));
+    // The devices come through CDI alone: `void` keeps a legacy NVIDIA
+    // runtime hook, where one is installed, from adding any of its own.
+    let visible = p.env.get("NVIDIA_VISIBLE_DEVICES").cloned().unwrap_or_default();
+    if visible != "void" {
+        return Err(fail(&format!("NVIDIA_VISIBLE_DEVICES={visible:?}, wanted void")));
     }
     if !p.devs.iter().any(|d| d == "/dev/nvidiactl") {
         return Err(fail("no /dev/nvidiactl"));
@@ -584,7 +634,9 @@ async fn examples(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
         .collect();
     dirs.sort();
     for dir in dirs {
-        let ex = load_example(&dir, PROBE_SCRIPT)?;
+        // Long enough for the suite to read the claim's device status while
+        // the pod runs (the kubelet unprepares it when the pod ends).
+        let ex = load_example(&dir, &format!("{PROBE_SCRIPT}\nsleep 8"))?;
         let expect = expect_for(&ex.name);
         apply_example(client, &ex).await?;
         let pod = ex.pod.metadata.name.clone().unwrap_or_default();
@@ -595,13 +647,15 @@ async fn examples(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
                 ex.name
             ));
         } else {
-            let (phase, log) = pod_result(client, &pod, Duration::from_secs(120)).await?;
+            probed(client, &pod, Duration::from_secs(120)).await?;
+            let status = device_status(client, &pod).await?;
+            let (phase, log) = pod_result(client, &pod, Duration::from_secs(60)).await?;
             if phase != "Succeeded" {
                 return Err(format!("example {}: pod {phase}; its log:\n{log}", ex.name).into());
             }
             check_probe(&ex.name, expect, &log)?;
             say(&format!(
-                "example {}: ran; the container saw its devices",
+                "example {}: ran; the container saw its devices; claim status: {status}",
                 ex.name
             ));
         }
@@ -782,6 +836,12 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
     c.start_component(Component::Containerd).await?;
     still_serving(c, client, host, "containerd restarted", holder).await?;
 
+    // Listed before the upgrade: the surge pod appears at once.
+    let old_uids: Vec<Option<String>> = plugin_pods(client)
+        .await
+        .iter()
+        .map(|p| p.metadata.uid.clone())
+        .collect();
     // A rolling update: the pod template changes, maxSurge 1 starts the new
     // pod beside the old one.
     let chart = workspace_root().join("deploy/helm/carve");
@@ -794,15 +854,10 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
         PLUGIN_NS,
         "-f",
         &values.display().to_string(),
-        "--set",
+        "--set-string",
         "kubeletPlugin.podAnnotations.carve-e2e/rollout=2",
     ])
     .map_err(|e| format!("helm upgrade: {e}"))?;
-    let old_uids: Vec<Option<String>> = plugin_pods(client)
-        .await
-        .iter()
-        .map(|p| p.metadata.uid.clone())
-        .collect();
     wait("the rolling update", Duration::from_secs(120), || async {
         let now = plugin_pods(client).await;
         (now.len() == 1

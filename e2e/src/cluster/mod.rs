@@ -712,6 +712,9 @@ featureGates:
                         p("apiserver-kubelet-client.crt")
                     ),
                     format!("--kubelet-client-key={}", p("apiserver-kubelet-client.key")),
+                    // The kubelet by its node address, never by a host name
+                    // (no DNS lookup leaves the machine).
+                    "--kubelet-preferred-address-types=InternalIP".into(),
                     format!("--service-account-key-file={}", p("sa.pub")),
                     format!("--service-account-signing-key-file={}", p("sa.key")),
                     "--service-account-issuer=https://kubernetes.default.svc".into(),

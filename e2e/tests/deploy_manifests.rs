@@ -512,7 +512,11 @@ fn check_common(m: &Manifests) {
             }
         }
         // Only the driver subresource is narrowed by name: to this driver.
-        let narrowed = r.resources.iter().flatten().any(|x| x == "resourceclaims/driver");
+        let narrowed = r
+            .resources
+            .iter()
+            .flatten()
+            .any(|x| x == "resourceclaims/driver");
         assert_eq!(
             r.resource_names.clone(),
             narrowed.then(|| vec!["gpu.carve.dev".to_string()]),

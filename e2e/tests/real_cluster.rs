@@ -490,9 +490,15 @@ fn check_probe(example: &str, expect: Expect, log: &str) -> R<()> {
     }
     // The devices come through CDI alone: `void` keeps a legacy NVIDIA
     // runtime hook, where one is installed, from adding any of its own.
-    let visible = p.env.get("NVIDIA_VISIBLE_DEVICES").cloned().unwrap_or_default();
+    let visible = p
+        .env
+        .get("NVIDIA_VISIBLE_DEVICES")
+        .cloned()
+        .unwrap_or_default();
     if visible != "void" {
-        return Err(fail(&format!("NVIDIA_VISIBLE_DEVICES={visible:?}, wanted void")));
+        return Err(fail(&format!(
+            "NVIDIA_VISIBLE_DEVICES={visible:?}, wanted void"
+        )));
     }
     if !p.devs.iter().any(|d| d == "/dev/nvidiactl") {
         return Err(fail("no /dev/nvidiactl"));
@@ -760,7 +766,7 @@ async fn still_serving(
         )
         .into());
     }
-    let probe = format!("after-{}", fault.replace(' ', "-"));
+    let probe = format!("after-{}", fault.to_lowercase().replace(' ', "-"));
     run_workload(client, &probe, 0).await?;
     let (phase, log) = pod_result(client, &probe, Duration::from_secs(120)).await?;
     if phase != "Succeeded" {
@@ -888,7 +894,23 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
     // without the server would have done so by now.
     tokio::time::sleep(Duration::from_secs(30)).await;
     c.start_component(Component::ApiServer).await?;
+    // The kubelet reports the restarts once the server is back.
+    wait(
+        "the kubelet to report the plugin's restart",
+        Duration::from_secs(60),
+        || async {
+            plugin_restarts(client)
+                .await
+                .ok()
+                .filter(|n| *n > before)
+                .map(|_| ())
+        },
+    )
+    .await?;
     plugin_ready(client, Duration::from_secs(120)).await?;
+    // A plugin that exits without the server would have restarted again
+    // by now (the kubelet's back-off starts at 10 s).
+    tokio::time::sleep(Duration::from_secs(10)).await;
     let after = plugin_restarts(client).await?;
     if after != before + 1 {
         return Err(format!(

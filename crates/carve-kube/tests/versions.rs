@@ -319,3 +319,49 @@ async fn an_upgrade_from_1_34_to_1_35_republishes_the_pool_without_mixing_layout
         }
     }
 }
+
+/// A client of an address nothing listens on: every request is refused.
+fn refused_client() -> kube::Client {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let uri = format!("http://127.0.0.1:{port}").parse().unwrap();
+    kube::Client::try_from(kube::Config::new(uri)).unwrap()
+}
+
+#[tokio::test]
+async fn a_version_read_is_recorded_and_used_when_the_server_does_not_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("apiserver-version");
+    let s = server(KubeVersion::V1_36).await;
+    let (w, unread) = VersionWatch::new_or_recorded(s.client(), &record)
+        .await
+        .unwrap();
+    assert_eq!(w.version(), KubeVersion::V1_36);
+    assert!(unread.is_none());
+    assert_eq!(std::fs::read_to_string(&record).unwrap().trim(), "1.36");
+
+    // The server is down at the next start: the recorded version, and why.
+    let (w, unread) = VersionWatch::new_or_recorded(refused_client(), &record)
+        .await
+        .unwrap();
+    assert_eq!(w.version(), KubeVersion::V1_36);
+    assert!(
+        matches!(unread, Some(PublishError::Version { .. })),
+        "{unread:?}"
+    );
+}
+
+#[tokio::test]
+async fn without_a_record_an_unanswered_version_read_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("apiserver-version");
+    let r = VersionWatch::new_or_recorded(refused_client(), &record).await;
+    assert!(matches!(r, Err(PublishError::Version { .. })), "{r:?}");
+    // An unreadable record is no record.
+    std::fs::write(&record, "not a version\n").unwrap();
+    let r = VersionWatch::new_or_recorded(refused_client(), &record).await;
+    assert!(r.is_err());
+}

@@ -139,3 +139,100 @@ fn driver_paths_written_into_cdi_specs_must_be_absolute() {
         assert!(!dir.path().join("state").exists());
     }
 }
+
+/// The plugin's flags for a node whose driver root is `root` and whose NVML
+/// is looked up by name (the default `--nvml-lib`).
+fn driver_root_args(dir: &std::path::Path, root: &std::path::Path) -> Vec<String> {
+    let reg = dir.join("registry");
+    std::fs::create_dir_all(&reg).unwrap();
+    let p = |n: &str| dir.join(n).display().to_string();
+    vec![
+        "--node-name".into(),
+        "n1".into(),
+        "--registry-dir".into(),
+        reg.display().to_string(),
+        "--state-dir".into(),
+        p("state"),
+        "--cdi-dir".into(),
+        p("cdi"),
+        "--plugins-dir".into(),
+        p("plugins"),
+        "--container-driver-root".into(),
+        root.display().to_string(),
+        "--kube-api-url".into(),
+        // Nothing listens there: the plugin stops at the API server, after NVML.
+        "http://127.0.0.1:9".into(),
+        "--api-timeout-seconds".into(),
+        "1".into(),
+    ]
+}
+
+#[test]
+fn nvml_is_looked_for_under_the_driver_root_and_every_place_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("driver");
+    std::fs::create_dir_all(&root).unwrap();
+    let args = driver_root_args(dir.path(), &root);
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, err) = plugin(&a);
+    assert_ne!(code, 0);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    for want in [
+        "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        "usr/lib64/libnvidia-ml.so.1",
+        "the dynamic loader",
+        "driverRoot",
+    ] {
+        assert!(err.contains(want), "{want:?} not in: {err}");
+    }
+    assert!(err.contains(&root.display().to_string()), "{err}");
+}
+
+#[test]
+fn nvml_from_the_driver_root_is_loaded() {
+    // The simulator placed where a driver installs libnvidia-ml.so.1: the
+    // plugin gets past NVML (to the API server, which does not answer).
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("driver");
+    let lib_dir = root.join("usr/lib64");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let sim = std::path::Path::new(env!("CARGO_BIN_EXE_carve"))
+        .parent()
+        .unwrap()
+        .join("deps/libnvidia_ml_sim.so");
+    assert!(
+        sim.is_file(),
+        "{} (built with the workspace)",
+        sim.display()
+    );
+    std::fs::copy(&sim, lib_dir.join("libnvidia-ml.so.1")).unwrap();
+    let cfg = dir.path().join("sim.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "nodeName": "n1",
+            "gpus": [{"model": "a100-40gb"}],
+            "stateFile": dir.path().join("sim-state.json"),
+            "procRoot": dir.path().join("proc"),
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let args = driver_root_args(dir.path(), &root);
+    let out = Command::new(env!("CARGO_BIN_EXE_carve"))
+        .arg("kubelet-plugin")
+        .args(&args)
+        .args([
+            "--proc-driver-nvidia",
+            dir.path().join("proc").to_str().unwrap(),
+        ])
+        .env("CARVE_NVML_SIM_CONFIG", &cfg)
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("NVML from the driver root"), "{err}");
+    assert!(!err.contains("opening NVML"), "{err}");
+    assert!(err.contains("API server"), "{err}");
+}

@@ -48,6 +48,15 @@ wrapper() {
     cp "$here/go/$name/main.go" "$dir/src/"
 }
 
+# The go.mod file of module $1 at version $2, from the module cache (fetched
+# from the proxy if need be).
+gomod() {
+    local f
+    f=$(go mod download -json "$1@$2" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+    [ -f "$f" ] || { echo "build.sh: the Go module proxy did not serve $1@$2" >&2; exit 1; }
+    echo "$f"
+}
+
 build_kube() {
     local v=$1 dir="$cache/kube-v$1"
     [ -x "$dir/kube" ] && return
@@ -59,8 +68,7 @@ build_kube() {
     # that depends on it: pin each to the v0 release of the same minor and
     # patch, read from that release's own go.mod.
     local mod
-    mod=$(go mod download -json "k8s.io/kubernetes@v$v" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
-    [ -f "$mod" ] || { echo "build.sh: the Go module proxy did not serve k8s.io/kubernetes@v$v" >&2; exit 1; }
+    mod=$(gomod k8s.io/kubernetes "v$v")
     {
         echo "module carve.dev/e2e/kube"
         echo
@@ -94,7 +102,7 @@ build_etcd() {
     local start=$SECONDS
     wrapper etcd "$dir"
     local mod
-    mod=$(go mod download -json "go.etcd.io/etcd/server/v3@v$ETCD" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+    mod=$(gomod go.etcd.io/etcd/server/v3 "v$ETCD")
     { echo "module carve.dev/e2e/etcd"; echo; grep -m1 "^go " "$mod"; echo; echo "require go.etcd.io/etcd/server/v3 v$ETCD"; } >"$dir/src/go.mod"
     (cd "$dir/src" && go mod tidy && go build -ldflags "-s -w" -o "$dir/etcd.tmp" .)
     mv "$dir/etcd.tmp" "$dir/etcd"

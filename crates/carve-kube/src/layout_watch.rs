@@ -85,8 +85,9 @@ impl VersionWatch {
     /// server's version could not be read.
     ///
     /// # Errors
-    /// The version could not be read and nothing was recorded (or the
-    /// record is unreadable): the read's error.
+    /// The server did not answer and nothing was recorded (or the record is
+    /// unreadable), or it answered with a version that cannot be read: the
+    /// read's error.
     pub async fn new_or_recorded(
         client: Client,
         record: &std::path::Path,
@@ -98,10 +99,15 @@ impl VersionWatch {
                 }
                 Ok((w, None))
             }
-            Err(e) => match read_record(record) {
-                Some(version) => Ok((Self { client, version }, Some(e))),
-                None => Err(e),
-            },
+            // Only a server that did not answer: one that answered with a
+            // version carve cannot read is not worked around.
+            Err(e @ (PublishError::Version { .. } | PublishError::VersionTimeout { .. })) => {
+                match read_record(record) {
+                    Some(version) => Ok((Self { client, version }, Some(e))),
+                    None => Err(e),
+                }
+            }
+            Err(e) => Err(e),
         }
     }
 

@@ -1222,6 +1222,40 @@ fn optional_objects_can_be_turned_off() {
 }
 
 #[test]
+fn the_whole_gpu_class_can_name_an_extended_resource() {
+    let extended = |m: &Manifests| -> Vec<(String, Option<String>)> {
+        m.device_classes
+            .iter()
+            .map(|c| {
+                (
+                    c.metadata.name.clone().unwrap_or_default(),
+                    c.spec.extended_resource_name.clone(),
+                )
+            })
+            .filter(|(_, e)| e.is_some())
+            .collect()
+    };
+    assert!(extended(&render_valid(&default_values())).is_empty());
+    let m = render_valid(&values_with(
+        "{deviceClasses: {gpuExtendedResourceName: gpu.carve.dev/gpu}}",
+    ));
+    assert_eq!(
+        extended(&m),
+        vec![(
+            "gpu.carve.dev".to_string(),
+            Some("gpu.carve.dev/gpu".to_string())
+        )]
+    );
+    // Not an extended resource name (domain/name): Helm's schema check
+    // refuses it before the API server would.
+    let bad = values_with("{deviceClasses: {gpuExtendedResourceName: 'no slash'}}");
+    match render_chart(&bad) {
+        Ok(_) => panic!("Helm rendered a bad extended resource name"),
+        Err(e) => assert!(e.contains("/deviceClasses/gpuExtendedResourceName"), "{e}"),
+    }
+}
+
+#[test]
 fn release_name_feeds_resource_names() {
     let m = render_valid(&values_with("fullnameOverride: gpu-driver"));
     let ds = one(&m.daemonsets, "DaemonSet");

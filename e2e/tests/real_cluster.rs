@@ -29,6 +29,8 @@ const PLUGIN_NS: &str = "carve-system";
 /// The GPUs of the simulated node: what `deploy/kind/values-kind.yaml` has.
 const SIM_GPUS: &str = r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb"}]"#;
 const SIM_GPU_COUNT: u32 = 3;
+/// The whole-GPU class's extended resource name in the suite's values.
+const EXTENDED_RESOURCE: &str = "gpu.carve.dev/gpu";
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -145,6 +147,7 @@ fn values(c: &Cluster, host: &GpuHost) -> R<PathBuf> {
         },
         "nvml": {"simulator": {"enabled": true, "config": host.sim_config}},
         "timeslice": {"enabled": true},
+        "deviceClasses": {"gpuExtendedResourceName": EXTENDED_RESOURCE},
     });
     let path = c.layout.root.join("values.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
@@ -625,6 +628,7 @@ async fn suite(c: &mut Cluster, client: &Client) -> R<()> {
 
     ensure_namespace(client, NS).await?;
     examples(&*c, client, &host).await?;
+    extended_resource(&*c, client, &host).await?;
     faults(c, client, &host).await?;
     Ok(())
 }
@@ -938,5 +942,44 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
     )
     .await?;
     say("faults: nothing lost, no instance leaked");
+    Ok(())
+}
+
+/// A Pod that asks for the whole-GPU class's extended resource, with no
+/// claim of its own: the scheduler makes the claim (DRAExtendedResource), the
+/// plugin prepares a whole GPU, and the claim goes with the pod.
+async fn extended_resource(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
+    let name = "probe-extended-resource";
+    let mut pod = probe_pod(name, &[], PROBE_SCRIPT)?;
+    let container = pod
+        .spec
+        .as_mut()
+        .and_then(|s| s.containers.first_mut())
+        .ok_or("probe pod without a container")?;
+    container.resources = Some(serde_json::from_value(serde_json::json!({
+        "limits": {EXTENDED_RESOURCE: "1"},
+    }))?);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.resource_claims = None;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.create(&PostParams::default(), &pod).await?;
+    let (phase, log) = pod_result(client, name, Duration::from_secs(120)).await?;
+    if phase != "Succeeded" {
+        return Err(format!("extended resource: pod {phase}; its log:\n{log}").into());
+    }
+    check_probe("extended resource", Expect::Gpu, &log)?;
+    pods.delete(name, &DeleteParams::default()).await?;
+    wait(
+        "the extended resource's claim unprepared",
+        Duration::from_secs(60),
+        || async {
+            (claim_specs(c).is_empty() && gpu_instances(host).ok() == Some(0)).then_some(())
+        },
+    )
+    .await?;
+    say(&format!(
+        "extended resource: a Pod asking for {EXTENDED_RESOURCE} (no claim) got a whole GPU"
+    ));
     Ok(())
 }

@@ -521,14 +521,13 @@ impl Cluster {
     /// Certificates, kubeconfigs and the configuration files of the
     /// scheduler, containerd, CNI and the kubelet.
     fn write_configs(&self) -> Result<(), ClusterError> {
-        let serving = self.pki.issue(
+        self.pki.issue(
             "apiserver",
             "/CN=kube-apiserver",
             Some(&format!(
                 "IP:{BRIDGE_IP},IP:{KUBERNETES_SERVICE_IP},IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
             )),
         )?;
-        debug_assert!(serving.cert.ends_with("apiserver.crt"));
         // The API server's client certificate for calls to the kubelet
         // (logs, exec): the kubelet authorizes it through the API server.
         self.pki.issue(
@@ -624,55 +623,42 @@ state = "{root}/containerd/state"
             }))
             .map_err(ClusterError::json("the CNI configuration"))?,
         )?;
-        let gates: String = feature_gates(&self.bins.kube_version)
-            .iter()
-            .map(|g| {
-                let (k, v) = g.split_once('=').unwrap_or((g, "true"));
-                format!("  {k}: {v}\n")
-            })
-            .collect();
+        let gates: serde_json::Map<String, serde_json::Value> =
+            feature_gates(&self.bins.kube_version)
+                .iter()
+                .filter_map(|g| g.split_once('='))
+                .map(|(k, v)| (k.to_string(), serde_json::Value::Bool(v == "true")))
+                .collect();
+        // JSON is YAML: the kubelet reads this as its configuration file.
+        let kubelet = serde_json::json!({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": BRIDGE_IP,
+            "healthzBindAddress": "127.0.0.1",
+            "authentication": {
+                "anonymous": {"enabled": false},
+                "webhook": {"enabled": true},
+                "x509": {"clientCAFile": self.pki.ca()},
+            },
+            "authorization": {"mode": "Webhook"},
+            "tlsCertFile": pki.join("kubelet-serving.crt"),
+            "tlsPrivateKeyFile": pki.join("kubelet-serving.key"),
+            "cgroupDriver": "cgroupfs",
+            "containerRuntimeEndpoint": format!("unix://{}", self.layout.containerd_sock().display()),
+            "podLogsDir": root.join("pod-logs"),
+            "failSwapOn": false,
+            // This machine is cgroup v1: 1.35+ kubelets refuse it unless told.
+            "failCgroupV1": false,
+            // The kubelet would act on the host's disk otherwise (as kind).
+            "imageGCHighThresholdPercent": 100,
+            "evictionHard": {"nodefs.available": "0%", "imagefs.available": "0%", "nodefs.inodesFree": "0%"},
+            "serializeImagePulls": false,
+            "featureGates": gates,
+        });
         self.write(
             "kubelet.yaml",
-            &format!(
-                r#"apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-address: {BRIDGE_IP}
-healthzBindAddress: 127.0.0.1
-authentication:
-  anonymous:
-    enabled: false
-  webhook:
-    enabled: true
-  x509:
-    clientCAFile: {ca}
-authorization:
-  mode: Webhook
-tlsCertFile: {pki}/kubelet-serving.crt
-tlsPrivateKeyFile: {pki}/kubelet-serving.key
-cgroupDriver: cgroupfs
-containerRuntimeEndpoint: unix://{sock}
-podLogsDir: {root}/pod-logs
-failSwapOn: false
-failCgroupV1: false
-imageGCHighThresholdPercent: 100
-evictionHard:
-  nodefs.available: "0%"
-  imagefs.available: "0%"
-  nodefs.inodesFree: "0%"
-serializeImagePulls: false
-featureGates:
-{gates}"#,
-                ca = self.pki.ca().display(),
-                pki = pki.display(),
-                sock = self.layout.containerd_sock().display(),
-                root = root.display(),
-                gates = if gates.is_empty() {
-                    "  {}\n".to_string()
-                } else {
-                    gates
-                },
-            )
-            .replace("featureGates:\n  {}", "featureGates: {}"),
+            &serde_json::to_string_pretty(&kubelet)
+                .map_err(ClusterError::json("the kubelet configuration"))?,
         )?;
         Ok(())
     }

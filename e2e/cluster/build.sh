@@ -57,6 +57,19 @@ gomod() {
     echo "$f"
 }
 
+# `go install ARGS...` into DIR through a temporary GOBIN, so that a failed
+# build leaves no binary that a later run would take as built. ARGS may
+# give -ldflags again (the last one counts).
+install_into() {
+    local dir=$1
+    shift
+    rm -rf "$dir/bin.tmp"
+    mkdir -p "$dir/bin.tmp"
+    GOBIN="$dir/bin.tmp" go install -ldflags "-s -w" "$@"
+    mv "$dir/bin.tmp"/* "$dir/"
+    rmdir "$dir/bin.tmp"
+}
+
 build_kube() {
     local v=$1 dir="$cache/kube-v$1"
     [ -x "$dir/kube" ] && return
@@ -114,19 +127,15 @@ build_containerd() {
     [ -x "$dir/containerd" ] && return
     log "containerd v$CONTAINERD: building containerd, containerd-shim-runc-v2, ctr"
     local start=$SECONDS
-    mkdir -p "$dir/bin.tmp"
     # containerd's go.mod has no replace directives: `go install` builds it.
     # Tags as containerd's Makefile and BUILDING.md give them for a build
     # without the btrfs, devmapper and zfs snapshotters and without systemd
     # and tracing; the shim as the Makefile builds it (no_grpc).
     local m=github.com/containerd/containerd/v2
-    GOBIN="$dir/bin.tmp" go install -ldflags "-s -w -X $m/version.Version=v$CONTAINERD" \
+    install_into "$dir" -ldflags "-s -w -X $m/version.Version=v$CONTAINERD" \
         -tags "no_btrfs no_devmapper no_zfs no_systemd no_tracing" \
         "$m/cmd/containerd@v$CONTAINERD" "$m/cmd/ctr@v$CONTAINERD"
-    GOBIN="$dir/bin.tmp" go install -ldflags "-s -w" -tags no_grpc \
-        "$m/cmd/containerd-shim-runc-v2@v$CONTAINERD"
-    mv "$dir/bin.tmp"/* "$dir/"
-    rmdir "$dir/bin.tmp"
+    install_into "$dir" -tags no_grpc "$m/cmd/containerd-shim-runc-v2@v$CONTAINERD"
     log "containerd v$CONTAINERD: built in $((SECONDS - start)) s"
 }
 
@@ -135,14 +144,11 @@ build_runc() {
     [ -x "$dir/runc" ] && return
     log "runc v$RUNC: building"
     local start=$SECONDS
-    mkdir -p "$dir/bin.tmp"
     # runc's nsenter is C (cgo, the machine's gcc); the seccomp tag (as
     # runc's Makefile builds it) links Debian's libseccomp: containerd puts
     # its default seccomp profile on every pod sandbox.
-    CGO_ENABLED=1 GOBIN="$dir/bin.tmp" go install -ldflags "-s -w" -tags "seccomp urfave_cli_no_docs" \
+    CGO_ENABLED=1 install_into "$dir" -tags "seccomp urfave_cli_no_docs" \
         "github.com/opencontainers/runc@v$RUNC"
-    mv "$dir/bin.tmp/runc" "$dir/runc"
-    rmdir "$dir/bin.tmp"
     log "runc v$RUNC: built in $((SECONDS - start)) s"
 }
 
@@ -151,10 +157,7 @@ build_helm() {
     [ -x "$dir/helm" ] && return
     log "helm v$HELM: building"
     local start=$SECONDS
-    mkdir -p "$dir/bin.tmp"
-    GOBIN="$dir/bin.tmp" go install -ldflags "-s -w" "helm.sh/helm/v4/cmd/helm@v$HELM"
-    mv "$dir/bin.tmp/helm" "$dir/helm"
-    rmdir "$dir/bin.tmp"
+    install_into "$dir" "helm.sh/helm/v4/cmd/helm@v$HELM"
     log "helm v$HELM: built in $((SECONDS - start)) s"
 }
 

@@ -41,8 +41,8 @@ fn say(s: &str) {
 static START: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
 
 /// What the probe container prints: its GPU-related environment, the
-/// device nodes and driver libraries it was given, and for MPS what its
-/// pipe directory holds. One fact a line, parsed by [`Probe::parse`].
+/// device nodes and driver libraries it was given. One fact a line, parsed
+/// by [`Probe::parse`].
 const PROBE_SCRIPT: &str = r#"
 env | grep -E '^(NVIDIA|CUDA)_' | sort | sed 's/^/env /'
 for d in /dev/nvidia* /dev/nvidia-caps/*; do
@@ -51,9 +51,6 @@ done
 for l in /usr/lib/x86_64-linux-gnu/libcuda.so* /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*; do
   [ -e "$l" ] && echo "lib $l"
 done
-if [ -n "$CUDA_MPS_PIPE_DIRECTORY" ]; then
-  for f in "$CUDA_MPS_PIPE_DIRECTORY"/*; do [ -e "$f" ] && echo "mps $f"; done
-fi
 echo probe-done
 "#;
 
@@ -62,7 +59,6 @@ struct Probe {
     env: BTreeMap<String, String>,
     devs: Vec<String>,
     libs: Vec<String>,
-    mps: Vec<String>,
     done: bool,
 }
 
@@ -78,8 +74,6 @@ impl Probe {
                 p.devs.push(d.split(' ').next().unwrap_or(d).into());
             } else if let Some(l) = line.strip_prefix("lib ") {
                 p.libs.push(l.into());
-            } else if let Some(m) = line.strip_prefix("mps ") {
-                p.mps.push(m.into());
             } else if line == "probe-done" {
                 p.done = true;
             }

@@ -282,12 +282,7 @@ impl Component {
 /// so nothing is set there. Every component accepts every gate.
 #[must_use]
 pub fn feature_gates(kube_version: &str) -> Vec<&'static str> {
-    let minor: u32 = kube_version
-        .split('.')
-        .nth(1)
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(0);
-    if minor < 36 {
+    if minor(kube_version) < 36 {
         vec![
             "DRAPartitionableDevices=true",
             "DRAConsumableCapacity=true",
@@ -297,6 +292,15 @@ pub fn feature_gates(kube_version: &str) -> Vec<&'static str> {
     } else {
         Vec::new()
     }
+}
+
+/// The minor version of `1.<minor>.<patch>` (0 if unreadable).
+fn minor(kube_version: &str) -> u32 {
+    kube_version
+        .split('.')
+        .nth(1)
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Where the cluster's files are.
@@ -711,6 +715,13 @@ state = "{root}/containerd/state"
                     "--allow-privileged=true".into(),
                     "--profiling=false".into(),
                 ]);
+                // 1.34's scheduler, with DRADeviceTaints on, waits for an
+                // informer of v1alpha3 DeviceTaintRules, which the server
+                // serves only with the alpha API on: without it no pod is
+                // ever scheduled (seen on 1.34.4).
+                if minor(&self.bins.kube_version) == 34 {
+                    cmd.arg("--runtime-config=resource.k8s.io/v1alpha3=true");
+                }
             }
             Component::ControllerManager => {
                 cmd = Command::new(&self.bins.kube);

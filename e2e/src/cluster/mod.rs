@@ -1051,16 +1051,21 @@ state = "{root}/containerd/state"
     /// Unmounts everything under the root, deepest first.
     fn unmount_all(&self) {
         let root = self.layout.root.display().to_string();
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let mut points: Vec<&str> = info
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4))
-            .filter(|m| *m == root || m.starts_with(&format!("{root}/")))
-            .collect();
-        points.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in points {
-            let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
-        }
+        unmount_where(|m| m == root || m.starts_with(&format!("{root}/")));
+    }
+}
+
+/// Unmounts (lazily) every mount point `pick` chooses, deepest first.
+fn unmount_where(pick: impl Fn(&str) -> bool) {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut points: Vec<&str> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| pick(m))
+        .collect();
+    points.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    for m in points {
+        let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
     }
 }
 
@@ -1109,16 +1114,7 @@ fn sweep_stale(bins: &Binaries) {
             );
         }
     }
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut points: Vec<&str> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|m| m.starts_with("/tmp/carve-cl-"))
-        .collect();
-    points.sort_by_key(|m| std::cmp::Reverse(m.len()));
-    for m in points {
-        let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
-    }
+    unmount_where(|m| m.starts_with("/tmp/carve-cl-"));
     let _ = Command::new("ip").args(["link", "del", BRIDGE]).output();
     if let Ok(out) = Command::new("iptables")
         .args(["-w", "-t", "nat", "-S"])

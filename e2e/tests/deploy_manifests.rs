@@ -394,6 +394,7 @@ fn check_common(m: &Manifests) {
         "--cdi-dir=/var/run/cdi",
         "--state-dir=/var/lib/carve",
         "--metrics-addr=:9400",
+        "--resync-seconds=60",
     ] {
         assert!(a.iter().any(|x| x == want), "missing flag {want} in {a:?}");
     }

@@ -555,6 +555,7 @@ async fn plugin_ready(client: &Client, within: Duration) -> R<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn carve_on_a_real_one_node_cluster() {
+    let _one = ONE_CLUSTER.lock().await;
     let bins = match Binaries::locate(&cluster::kube_version()) {
         Ok(b) => b,
         Err(e) if !required() => {
@@ -974,6 +975,384 @@ async fn extended_resource(c: &Cluster, client: &Client, host: &GpuHost) -> R<()
     .await?;
     say(&format!(
         "extended resource: a Pod asking for {EXTENDED_RESOURCE} (no claim) got a whole GPU"
+    ));
+    Ok(())
+}
+
+/// One cluster at a time: both tests use the same bridge, addresses and ports.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The releases of the upgrade test, oldest first:
+/// `CARVE_CLUSTER_UPGRADE=1.34.4,1.35.4,1.36.3,1.37.2` (each built with
+/// `e2e/cluster/build.sh`); unset, the test is skipped.
+fn upgrade_path() -> Option<Vec<String>> {
+    let v = std::env::var("CARVE_CLUSTER_UPGRADE").ok()?;
+    let path: Vec<String> = v
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
+    (!path.is_empty()).then_some(path)
+}
+
+fn minor(release: &str) -> u32 {
+    release
+        .split('.')
+        .nth(1)
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The layout of the pool's newest generation, if it is complete: `1.34`
+/// (counter sets inside the device slices) or `1.35` (in a slice of their
+/// own), with the generation.
+fn published_layout(slices: &[ResourceSlice]) -> Option<(&'static str, i64)> {
+    let newest = slices.iter().map(|s| s.spec.pool.generation).max()?;
+    let current: Vec<&ResourceSlice> = slices
+        .iter()
+        .filter(|s| s.spec.pool.generation == newest)
+        .collect();
+    let want = usize::try_from(current.first()?.spec.pool.resource_slice_count).ok()?;
+    if current.len() != want {
+        return None;
+    }
+    let has_counters = |s: &&&ResourceSlice| {
+        s.spec
+            .shared_counters
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+    };
+    let has_devices = |s: &&&ResourceSlice| s.spec.devices.as_ref().is_some_and(|d| !d.is_empty());
+    let mixed = current.iter().any(|s| has_counters(&s) && has_devices(&s));
+    let apart = current.iter().any(|s| has_counters(&s) && !has_devices(&s));
+    match (mixed, apart) {
+        (true, false) => Some(("1.34", newest)),
+        (false, true) => Some(("1.35", newest)),
+        _ => None,
+    }
+}
+
+/// The layout carve must publish for an API server of `release`.
+fn layout_for(release: &str) -> &'static str {
+    if minor(release) <= 34 { "1.34" } else { "1.35" }
+}
+
+/// No counter of any GPU is consumed beyond its capacity by the devices
+/// allocated to all claims together (no two MIG partitions overlap), by
+/// the newest generation's counter sets and the devices' consumption.
+async fn no_overlap(client: &Client) -> R<usize> {
+    use carve_model::slices::quantity::parse;
+    let s = slices(client).await;
+    let newest = s.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
+    // (counter set, counter) → milli-units.
+    type Counter = (String, String);
+    let mut capacity: BTreeMap<Counter, i128> = BTreeMap::new();
+    let mut consumes: BTreeMap<String, Vec<(Counter, i128)>> = BTreeMap::new();
+    for slice in s.iter().filter(|s| s.spec.pool.generation == newest) {
+        for set in slice.spec.shared_counters.iter().flatten() {
+            for (name, c) in &set.counters {
+                capacity.insert((set.name.clone(), name.clone()), parse(&c.value)?.milli());
+            }
+        }
+        for d in slice.spec.devices.iter().flatten() {
+            let mut uses = Vec::new();
+            for cc in d.consumes_counters.iter().flatten() {
+                for (name, c) in &cc.counters {
+                    uses.push((
+                        (cc.counter_set.clone(), name.clone()),
+                        parse(&c.value)?.milli(),
+                    ));
+                }
+            }
+            consumes.insert(d.name.clone(), uses);
+        }
+    }
+    let claims: Api<ResourceClaim> = Api::all(client.clone());
+    let mut used: BTreeMap<Counter, i128> = BTreeMap::new();
+    let mut devices = 0;
+    for claim in claims.list(&ListParams::default()).await?.items {
+        let results = claim
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        for r in results
+            .iter()
+            .filter(|r| r.driver == carve_model::DRIVER_NAME)
+        {
+            devices += 1;
+            let uses = consumes
+                .get(&r.device)
+                .ok_or_else(|| format!("allocated device {} is not published", r.device))?;
+            for (k, v) in uses {
+                *used.entry(k.clone()).or_default() += v;
+            }
+        }
+    }
+    for (k, v) in &used {
+        let cap = capacity.get(k).copied().unwrap_or(0);
+        if *v > cap {
+            return Err(format!(
+                "counter {}/{} is consumed {v} milli-units by the allocated devices, capacity {cap}: partitions overlap",
+                k.0, k.1
+            )
+            .into());
+        }
+    }
+    Ok(devices)
+}
+
+async fn cordon(client: &Client, on: bool) -> R<()> {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{Patch, PatchParams};
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            cluster::NODE,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"unschedulable": on}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The plugin's log since it started (its current container).
+async fn plugin_log(client: &Client) -> String {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), PLUGIN_NS);
+    let mut s = String::new();
+    for p in plugin_pods(client).await {
+        let name = p.metadata.name.unwrap_or_default();
+        if let Ok(log) = pods.logs(&name, &LogParams::default()).await {
+            s.push_str(&log);
+        }
+    }
+    s
+}
+
+/// The control plane upgraded one minor version at a time on one etcd, in
+/// the order the README prescribes (cordon; kube-apiserver; carve
+/// republishes in the new layout; kube-scheduler and
+/// kube-controller-manager; uncordon), with a running pod and a claim left
+/// pending across each step; on the step to 1.35 the API server first
+/// comes up without DRAPartitionableDevices, and the plugin must name the
+/// gate; the kubelet is upgraded last. Skipped unless
+/// `CARVE_CLUSTER_UPGRADE` lists the releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_upgrade_on_a_real_cluster() {
+    let Some(path) = upgrade_path() else {
+        eprintln!(
+            "SKIPPED real-cluster upgrade: set CARVE_CLUSTER_UPGRADE=1.34.4,1.35.4,1.36.3,1.37.2 (each built by e2e/cluster/build.sh)"
+        );
+        return;
+    };
+    let _one = ONE_CLUSTER.lock().await;
+    let bins = Binaries::locate(&path[0]).unwrap_or_else(|e| panic!("CARVE_CLUSTER_UPGRADE: {e}"));
+    for r in &path[1..] {
+        let b = cluster::kube_binary(r);
+        assert!(
+            b.is_file(),
+            "CARVE_CLUSTER_UPGRADE: no {} (e2e/cluster/build.sh {r})",
+            b.display()
+        );
+    }
+    let carve = carve_binary().expect("carve binary");
+    let sim = sim_library().expect("NVML simulator library");
+    let root = PathBuf::from(format!("/tmp/carve-up-{}", std::process::id()));
+    say(&format!(
+        "upgrade: starting Kubernetes {} under {}",
+        path[0],
+        root.display()
+    ));
+    let mut c = match Cluster::start(bins, &root, &carve, &sim).await {
+        Ok(c) => c,
+        Err(e) => panic!("the cluster did not start: {e}"),
+    };
+    let client = c.client().await.expect("admin client");
+    if let Err(e) = upgrade(&mut c, &client, &path).await {
+        panic!(
+            "{e}\n=== plugin ===\n{}\n=== components ===\n{}",
+            plugin_report(&client).await,
+            c.logs(30)
+        );
+    }
+}
+
+async fn upgrade(c: &mut Cluster, client: &Client, path: &[String]) -> R<()> {
+    let sim = sim_library()?;
+    let host = gpu_host(&c.layout.root, &sim)?;
+    let values = values(&*c, &host)?;
+    let chart = workspace_root().join("deploy/helm/carve");
+    c.helm(&[
+        "install",
+        "carve",
+        &chart.display().to_string(),
+        "--namespace",
+        PLUGIN_NS,
+        "--create-namespace",
+        "-f",
+        &values.display().to_string(),
+        // Each step waits for one resync.
+        "--set",
+        "kubeletPlugin.resyncSeconds=3",
+    ])
+    .map_err(|e| format!("helm install: {e}"))?;
+    plugin_ready(client, Duration::from_secs(120)).await?;
+    let (layout, mut generation) = wait(
+        "carve's ResourceSlices",
+        Duration::from_secs(60),
+        || async { published_layout(&slices(client).await) },
+    )
+    .await?;
+    if layout != layout_for(&path[0]) {
+        return Err(format!("on {}: carve published the {layout} layout", path[0]).into());
+    }
+    say(&format!(
+        "upgrade: on {} carve published the {layout} layout (generation {generation})",
+        path[0]
+    ));
+    ensure_namespace(client, NS).await?;
+    let holder = "holder";
+    run_workload(client, holder, 3600).await?;
+    wait("the running pod", Duration::from_secs(120), || async {
+        pod_running(client, holder).await.then_some(())
+    })
+    .await?;
+    let mut running = vec![holder.to_string()];
+
+    for pair in path.windows(2) {
+        let (from, to) = (&pair[0], &pair[1]);
+        // 1. Cordon; a claim made now stays pending through the step.
+        cordon(client, true).await?;
+        let pending = format!("pending-{}", minor(to));
+        run_workload(client, &pending, 3600).await?;
+        let why = unschedulable_reason(client, &pending, Duration::from_secs(60)).await?;
+        say(&format!(
+            "upgrade {from} -> {to}: cordoned; {pending} pending: {why}"
+        ));
+
+        // 2. kube-apiserver. On the step to a release whose DRA gates are
+        // off by default, first without DRAPartitionableDevices.
+        if !cluster::feature_gates(to).is_empty() {
+            c.set_feature_gate(Component::ApiServer, "DRAPartitionableDevices", Some(false));
+            c.run_release(Component::ApiServer, to).await?;
+            let named = wait(
+                "the plugin to name the DRAPartitionableDevices gate",
+                Duration::from_secs(60),
+                || async {
+                    plugin_log(client)
+                        .await
+                        .lines()
+                        .find(|l| {
+                            l.contains("dropped the counter fields")
+                                && l.contains("DRAPartitionableDevices")
+                        })
+                        .map(String::from)
+                },
+            )
+            .await?;
+            say(&format!(
+                "upgrade {from} -> {to}: API server without DRAPartitionableDevices; the plugin: {named}"
+            ));
+            // Nothing it published in that state is a complete pool the
+            // scheduler could allocate from without counters.
+            if let Some((l, g)) = published_layout(&slices(client).await)
+                && g > generation
+            {
+                return Err(format!(
+                    "with the gate off, generation {g} ({l} layout) was published complete"
+                )
+                .into());
+            }
+            c.set_feature_gate(Component::ApiServer, "DRAPartitionableDevices", None);
+        }
+        c.run_release(Component::ApiServer, to).await?;
+        let want = layout_for(to);
+        let (layout, g) = wait(
+            &format!("carve to republish for {to} in the {want} layout"),
+            Duration::from_secs(90),
+            || async {
+                published_layout(&slices(client).await)
+                    .filter(|(l, g)| *l == want && (*g > generation || want == layout_for(from)))
+            },
+        )
+        .await?;
+        say(&format!(
+            "upgrade {from} -> {to}: API server on {to}; carve published the {layout} layout (generation {g}, was {generation})"
+        ));
+        generation = g;
+
+        // 3. kube-scheduler and kube-controller-manager.
+        c.run_release(Component::Scheduler, to).await?;
+        c.run_release(Component::ControllerManager, to).await?;
+
+        // 4. Uncordon: the pending claim is allocated and its pod runs.
+        cordon(client, false).await?;
+        wait(
+            &format!("{pending} to run on {to}"),
+            Duration::from_secs(120),
+            || async { pod_running(client, &pending).await.then_some(()) },
+        )
+        .await?;
+        running.push(pending);
+        for p in &running {
+            if !pod_running(client, p).await {
+                return Err(
+                    format!("after the upgrade to {to}: pod {p} is no longer running").into(),
+                );
+            }
+        }
+        let n = gpu_instances(&host)?;
+        if n != running.len() {
+            return Err(format!(
+                "after the upgrade to {to}: {n} GPU instances for {} running pods",
+                running.len()
+            )
+            .into());
+        }
+        let devices = no_overlap(client).await?;
+        say(&format!(
+            "upgrade {from} -> {to}: uncordoned; {} pods run on {devices} allocated devices, no counter over capacity",
+            running.len()
+        ));
+    }
+
+    // The kubelet last (it may be older than the API server).
+    let last = path.last().ok_or("empty upgrade path")?;
+    c.run_release(Component::Kubelet, last).await?;
+    c.wait_node_ready(Duration::from_secs(120)).await?;
+    plugin_ready(client, Duration::from_secs(120)).await?;
+    for p in &running {
+        if !pod_running(client, p).await {
+            return Err(format!(
+                "after the kubelet's upgrade to {last}: pod {p} is no longer running"
+            )
+            .into());
+        }
+    }
+    let fresh = "after-upgrade";
+    run_workload(client, fresh, 0).await?;
+    let (phase, log) = pod_result(client, fresh, Duration::from_secs(120)).await?;
+    if phase != "Succeeded" {
+        return Err(format!("after the upgrade: a new pod {phase}; its log:\n{log}").into());
+    }
+    check_probe(fresh, Expect::Mig, &log)?;
+    no_overlap(client).await?;
+    remove_workload(client, fresh).await?;
+    for p in &running {
+        remove_workload(client, p).await?;
+    }
+    wait(
+        "every claim unprepared",
+        Duration::from_secs(90),
+        || async {
+            (gpu_instances(&host).ok() == Some(0) && claim_specs(c).is_empty()).then_some(())
+        },
+    )
+    .await?;
+    say(&format!(
+        "upgrade: kubelet on {last}; nothing lost, no instance leaked"
     ));
     Ok(())
 }

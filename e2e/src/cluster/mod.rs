@@ -175,6 +175,12 @@ pub fn kube_version() -> String {
     std::env::var("CARVE_KUBE_VERSION").unwrap_or_else(|_| versions::KUBE.to_string())
 }
 
+/// Where `build.sh` puts the `kube` binary of a release.
+#[must_use]
+pub fn kube_binary(release: &str) -> PathBuf {
+    cache_dir().join(format!("kube-v{release}/kube"))
+}
+
 impl Binaries {
     /// Finds every program, or names each missing one and how to get it.
     ///
@@ -184,7 +190,7 @@ impl Binaries {
         let cache = cache_dir();
         let b = Binaries {
             kube_version: kube_version.to_string(),
-            kube: cache.join(format!("kube-v{kube_version}/kube")),
+            kube: kube_binary(kube_version),
             etcd: cache.join(format!("etcd-v{}/etcd", versions::ETCD)),
             containerd_dir: cache.join(format!("containerd-v{}", versions::CONTAINERD)),
             helm: cache.join(format!("helm-v{}/helm", versions::HELM)),
@@ -350,6 +356,12 @@ pub struct Cluster {
     /// The admin's kubeconfig (group system:masters).
     pub admin_kubeconfig: PathBuf,
     procs: BTreeMap<Component, Proc>,
+    /// The Kubernetes release each Kubernetes component runs (all
+    /// `bins.kube_version` at start; [`Cluster::run_release`] moves one).
+    releases: BTreeMap<Component, String>,
+    /// Feature gates set against a component's defaults for its release
+    /// ([`Cluster::set_feature_gate`]).
+    gate_overrides: BTreeMap<Component, BTreeMap<String, bool>>,
     net: Vec<Vec<String>>,
     mounted: bool,
 }
@@ -393,6 +405,8 @@ impl Cluster {
             pki,
             admin_kubeconfig,
             procs: BTreeMap::new(),
+            releases: BTreeMap::new(),
+            gate_overrides: BTreeMap::new(),
             net: Vec::new(),
             mounted: false,
         };
@@ -627,12 +641,19 @@ state = "{root}/containerd/state"
             }))
             .map_err(ClusterError::json("the CNI configuration"))?,
         )?;
-        let gates: serde_json::Map<String, serde_json::Value> =
-            feature_gates(&self.bins.kube_version)
-                .iter()
-                .filter_map(|g| g.split_once('='))
-                .map(|(k, v)| (k.to_string(), serde_json::Value::Bool(v == "true")))
-                .collect();
+        self.write_kubelet_config()
+    }
+
+    /// The kubelet's configuration file, with the feature gates of the
+    /// release it runs.
+    fn write_kubelet_config(&self) -> Result<(), ClusterError> {
+        let pki = &self.pki.dir;
+        let root = &self.layout.root;
+        let gates: serde_json::Map<String, serde_json::Value> = self
+            .gates(Component::Kubelet)
+            .into_iter()
+            .map(|(k, v)| (k, serde_json::Value::Bool(v)))
+            .collect();
         // JSON is YAML: the kubelet reads this as its configuration file.
         let kubelet = serde_json::json!({
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -667,10 +688,84 @@ state = "{root}/containerd/state"
         Ok(())
     }
 
+    /// The Kubernetes release `c` runs (etcd and containerd: the cluster's).
+    #[must_use]
+    pub fn release(&self, c: Component) -> &str {
+        self.releases
+            .get(&c)
+            .map_or(self.bins.kube_version.as_str(), String::as_str)
+    }
+
+    fn kube_binary(&self, c: Component) -> PathBuf {
+        match self.releases.get(&c) {
+            Some(v) => kube_binary(v),
+            None => self.bins.kube.clone(),
+        }
+    }
+
+    /// `c`'s feature gates: those its release needs, then the overrides.
+    fn gates(&self, c: Component) -> BTreeMap<String, bool> {
+        let mut gates: BTreeMap<String, bool> = feature_gates(self.release(c))
+            .iter()
+            .filter_map(|g| g.split_once('='))
+            .map(|(k, v)| (k.to_string(), v == "true"))
+            .collect();
+        if let Some(o) = self.gate_overrides.get(&c) {
+            gates.extend(o.iter().map(|(k, v)| (k.clone(), *v)));
+        }
+        gates
+    }
+
+    /// Sets `gate` on (`Some(true)`), off (`Some(false)`) or back to its
+    /// release's setting (`None`) for `c`, from its next start.
+    pub fn set_feature_gate(&mut self, c: Component, gate: &str, on: Option<bool>) {
+        let o = self.gate_overrides.entry(c).or_default();
+        match on {
+            Some(on) => {
+                o.insert(gate.to_string(), on);
+            }
+            None => {
+                o.remove(gate);
+            }
+        }
+    }
+
+    /// Restarts `c` on another Kubernetes release (an upgrade or a
+    /// downgrade of that one component), with that release's flags and
+    /// feature gates, and waits until it is ready.
+    ///
+    /// # Errors
+    /// The release is not built ([`ClusterError::Prerequisite`]), or `c`
+    /// does not start on it.
+    pub async fn run_release(&mut self, c: Component, release: &str) -> Result<(), ClusterError> {
+        if matches!(c, Component::Etcd | Component::Containerd) {
+            return Err(ClusterError::Prerequisite(format!(
+                "{} is not a Kubernetes component",
+                c.name()
+            )));
+        }
+        let bin = kube_binary(release);
+        if !bin.is_file() {
+            return Err(ClusterError::Prerequisite(format!(
+                "{} (e2e/cluster/build.sh {release})",
+                bin.display()
+            )));
+        }
+        self.stop_component(c);
+        self.releases.insert(c, release.to_string());
+        self.start_component(c).await
+    }
+
     fn command(&self, c: Component) -> Command {
         let pki = &self.pki.dir;
         let p = |f: &str| pki.join(f).display().to_string();
-        let gates = feature_gates(&self.bins.kube_version).join(",");
+        let gates = self
+            .gates(c)
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let kube = self.kube_binary(c);
         let mut cmd;
         match c {
             Component::Etcd => {
@@ -687,7 +782,7 @@ state = "{root}/containerd/state"
                     ]);
             }
             Component::ApiServer => {
-                cmd = Command::new(&self.bins.kube);
+                cmd = Command::new(&kube);
                 cmd.arg("kube-apiserver").args([
                     "--etcd-servers=http://127.0.0.1:2379".to_string(),
                     format!("--bind-address={BRIDGE_IP}"),
@@ -719,12 +814,12 @@ state = "{root}/containerd/state"
                 // informer of v1alpha3 DeviceTaintRules, which the server
                 // serves only with the alpha API on: without it no pod is
                 // ever scheduled (seen on 1.34.4).
-                if minor(&self.bins.kube_version) == 34 {
+                if minor(self.release(c)) == 34 {
                     cmd.arg("--runtime-config=resource.k8s.io/v1alpha3=true");
                 }
             }
             Component::ControllerManager => {
-                cmd = Command::new(&self.bins.kube);
+                cmd = Command::new(&kube);
                 let kc = p("controller-manager.kubeconfig");
                 cmd.arg("kube-controller-manager").args([
                     format!("--kubeconfig={kc}"),
@@ -740,7 +835,7 @@ state = "{root}/containerd/state"
                 ]);
             }
             Component::Scheduler => {
-                cmd = Command::new(&self.bins.kube);
+                cmd = Command::new(&kube);
                 let kc = p("scheduler.kubeconfig");
                 cmd.arg("kube-scheduler").args([
                     format!("--config={}", self.layout.path("scheduler.yaml").display()),
@@ -757,7 +852,7 @@ state = "{root}/containerd/state"
                 ));
             }
             Component::Kubelet => {
-                cmd = Command::new(&self.bins.kube);
+                cmd = Command::new(&kube);
                 cmd.arg("kubelet").args([
                     format!("--config={}", self.layout.path("kubelet.yaml").display()),
                     format!("--kubeconfig={}", p("kubelet.kubeconfig")),
@@ -798,6 +893,9 @@ state = "{root}/containerd/state"
     pub async fn start_component(&mut self, c: Component) -> Result<(), ClusterError> {
         if let Some(mut old) = self.procs.remove(&c) {
             old.stop(Duration::from_secs(10));
+        }
+        if c == Component::Kubelet {
+            self.write_kubelet_config()?;
         }
         let p = Proc::start(c.name(), self.command(c), &self.log_path(c))?;
         self.procs.insert(c, p);

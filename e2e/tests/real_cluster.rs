@@ -29,6 +29,11 @@ const PLUGIN_NS: &str = "carve-system";
 /// The GPUs of the simulated node: what `deploy/kind/values-kind.yaml` has.
 const SIM_GPUS: &str = r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb"}]"#;
 const SIM_GPU_COUNT: u32 = 3;
+/// The MPS control daemon's double in the fake driver root, and as the
+/// plugin's container sees it.
+const MPS_CONTROL: &str = "usr/bin/carve-fake-mps-control";
+/// The pod with a running MPS share through the faults.
+const MPS_HOLDER: &str = "mps-holder";
 /// The whole-GPU class's extended resource name in the suite's values.
 const EXTENDED_RESOURCE: &str = "gpu.carve.dev/gpu";
 
@@ -41,8 +46,9 @@ fn say(s: &str) {
 static START: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
 
 /// What the probe container prints: its GPU-related environment, the
-/// device nodes and driver libraries it was given. One fact a line, parsed
-/// by [`Probe::parse`].
+/// device nodes and driver libraries it was given, and for MPS its control
+/// socket and the daemon's `/dev/shm` files. One fact a line, parsed by
+/// [`Probe::parse`].
 const PROBE_SCRIPT: &str = r#"
 env | grep -E '^(NVIDIA|CUDA)_' | sort | sed 's/^/env /'
 for d in /dev/nvidia* /dev/nvidia-caps/*; do
@@ -51,6 +57,10 @@ done
 for l in /usr/lib/x86_64-linux-gnu/libcuda.so* /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*; do
   [ -e "$l" ] && echo "lib $l"
 done
+if [ -n "$CUDA_MPS_PIPE_DIRECTORY" ]; then
+  [ -S "$CUDA_MPS_PIPE_DIRECTORY/control" ] && echo "mps control-socket"
+  for f in /dev/shm/cuda.shm.*; do [ -e "$f" ] && echo "mps shm $f"; done
+fi
 echo probe-done
 "#;
 
@@ -59,6 +69,7 @@ struct Probe {
     env: BTreeMap<String, String>,
     devs: Vec<String>,
     libs: Vec<String>,
+    mps: Vec<String>,
     done: bool,
 }
 
@@ -74,6 +85,8 @@ impl Probe {
                 p.devs.push(d.split(' ').next().unwrap_or(d).into());
             } else if let Some(l) = line.strip_prefix("lib ") {
                 p.libs.push(l.into());
+            } else if let Some(m) = line.strip_prefix("mps ") {
+                p.mps.push(m.into());
             } else if line == "probe-done" {
                 p.done = true;
             }
@@ -106,6 +119,10 @@ fn gpu_host(root: &Path, sim_lib: &Path) -> R<GpuHost> {
         .join(nvidia_ml_sim::driver_root::LIB_DIR)
         .join(format!("libnvidia-ml.so.{version}"));
     std::fs::copy(sim_lib, &nvml)?;
+    // Where a GPU node's driver has nvidia-cuda-mps-control: carve's double
+    // of it (the carve binary under the double's name), which the plugin
+    // runs from the driver root.
+    std::fs::copy(carve_binary()?, fake.root.join(MPS_CONTROL))?;
     let state_dir = root.join("carve-state");
     let sim_dir = state_dir.join("nvml-sim");
     std::fs::create_dir_all(&sim_dir)?;
@@ -141,6 +158,12 @@ fn values(c: &Cluster, host: &GpuHost) -> R<PathBuf> {
         },
         "nvml": {"simulator": {"enabled": true, "config": host.sim_config}},
         "timeslice": {"enabled": true},
+        "mps": {
+            "enabled": true,
+            "controlBinary": format!("/driver-root/{MPS_CONTROL}"),
+            "hostRoot": c.layout.root.join("mps"),
+            "daemonCgroup": cluster::MPS_DAEMON_CGROUP,
+        },
         "deviceClasses": {"gpuExtendedResourceName": EXTENDED_RESOURCE},
     });
     let path = c.layout.root.join("values.json");
@@ -465,7 +488,10 @@ fn expect_for(example: &str) -> Expect {
     match example {
         e if e.starts_with("mig") && e != "mig-mps" => Expect::Mig,
         "whole-gpu" | "timeslice" => Expect::Gpu,
-        // MPS needs its control daemon, which no double runs here yet.
+        "mps-share" => Expect::Mps,
+        "mig-mps" => Expect::MigMps,
+        // A hard MPS memory limit needs NVIDIA's memory partitioning
+        // (`nvidia-smi memory-limits`), which this node has not.
         _ => Expect::Pending,
     }
 }
@@ -474,6 +500,8 @@ fn expect_for(example: &str) -> Expect {
 enum Expect {
     Mig,
     Gpu,
+    Mps,
+    MigMps,
     Pending,
 }
 
@@ -511,13 +539,39 @@ fn check_probe(example: &str, expect: Expect, log: &str) -> R<()> {
         .iter()
         .filter(|d| d.starts_with("/dev/nvidia-caps/"))
         .count();
-    if expect == Expect::Mig && caps < 2 {
+    let mig = matches!(expect, Expect::Mig | Expect::MigMps);
+    if mig && caps < 2 {
         return Err(fail(
             "a MIG device needs its GPU and compute instance capability nodes",
         ));
     }
-    if expect == Expect::Gpu && caps > 0 {
+    if !mig && caps > 0 {
         return Err(fail("a whole GPU got MIG capability nodes"));
+    }
+    let mps = matches!(expect, Expect::Mps | Expect::MigMps);
+    if mps {
+        // Where its client finds the daemon. The share's limits are on its
+        // namespace (protocol v3, which the double speaks), not in the
+        // environment.
+        if !p.env.contains_key("CUDA_MPS_PIPE_DIRECTORY") {
+            return Err(fail("an MPS share without CUDA_MPS_PIPE_DIRECTORY"));
+        }
+        if !p.mps.iter().any(|m| m == "control-socket") {
+            return Err(fail(
+                "no MPS control socket in $CUDA_MPS_PIPE_DIRECTORY (the daemon's pipe directory is not mounted)",
+            ));
+        }
+        if !p
+            .mps
+            .iter()
+            .any(|m| m.starts_with("shm /dev/shm/cuda.shm."))
+        {
+            return Err(fail(
+                "no cuda.shm file of the MPS server in /dev/shm (the daemon's /dev/shm is not shared)",
+            ));
+        }
+    } else if p.env.keys().any(|k| k.starts_with("CUDA_MPS_")) {
+        return Err(fail("a device without MPS got CUDA_MPS_ variables"));
     }
     if !p.libs.iter().any(|l| l.ends_with("libcuda.so.1")) {
         return Err(fail("libcuda.so.1 from the driver root is not mounted"));
@@ -672,12 +726,35 @@ async fn examples(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
             ),
             Duration::from_secs(60),
             || async {
-                (claim_specs(c).is_empty() && gpu_instances(host).ok() == Some(0)).then_some(())
+                (claim_specs(c).is_empty()
+                    && gpu_instances(host).ok() == Some(0)
+                    && mps_daemons().is_empty())
+                .then_some(())
             },
         )
         .await?;
     }
     Ok(())
+}
+
+/// The MPS control daemons running on the host (the double's processes;
+/// the plugin runs them in the host's PID namespace).
+fn mps_daemons() -> Vec<i32> {
+    let name = Path::new(MPS_CONTROL)
+        .file_name()
+        .map(|n| n.as_encoded_bytes().to_vec())
+        .unwrap_or_default();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let arg0 = cmdline.split(|b| *b == 0).next()?;
+            arg0.ends_with(&name).then_some(pid)
+        })
+        .collect()
 }
 
 /// A MIG claim (as `examples/mig-1g`) and a pod using it that prints what
@@ -697,8 +774,29 @@ fn mig_workload(name: &str, seconds: u32) -> R<(ResourceClaim, Pod)> {
     Ok((claim, pod))
 }
 
+/// An MPS share of a whole GPU (as `examples/mps-share`) and a pod using
+/// it that prints what the probe prints, then runs for `seconds`.
+fn mps_workload(name: &str, seconds: u32) -> R<(ResourceClaim, Pod)> {
+    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "mps.gpu.carve.dev",
+            "selectors": [{"cel": {"expression": "device.attributes[\"gpu.carve.dev\"].type == \"mps\""}}],
+            "capacity": {"requests": {"memory": "10Gi", "multiprocessors": "33"}},
+        }}]}},
+    }))?;
+    let script = format!("{PROBE_SCRIPT}\nexec sleep {seconds}");
+    let pod = probe_pod(name, &[(name.to_string(), false)], &script)?;
+    Ok((claim, pod))
+}
+
 async fn run_workload(client: &Client, name: &str, seconds: u32) -> R<()> {
-    let (claim, pod) = mig_workload(name, seconds)?;
+    create_workload(client, mig_workload(name, seconds)?).await
+}
+
+async fn create_workload(client: &Client, (claim, pod): (ResourceClaim, Pod)) -> R<()> {
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     claims.create(&PostParams::default(), &claim).await?;
@@ -751,6 +849,7 @@ async fn still_serving(
     host: &GpuHost,
     fault: &str,
     holder: &str,
+    mps_daemon: &[i32],
 ) -> R<()> {
     plugin_ready(client, Duration::from_secs(120))
         .await
@@ -762,6 +861,19 @@ async fn still_serving(
         return Err(format!(
             "after {fault}: {} GPU instances, wanted the running pod's one",
             gpu_instances(host)?
+        )
+        .into());
+    }
+    if !pod_running(client, MPS_HOLDER).await {
+        return Err(format!(
+            "after {fault}: the running MPS share {MPS_HOLDER} is no longer running"
+        )
+        .into());
+    }
+    if mps_daemons() != mps_daemon {
+        return Err(format!(
+            "after {fault}: MPS daemons {:?}, wanted the running share's one, {mps_daemon:?}, untouched",
+            mps_daemons()
         )
         .into());
     }
@@ -777,12 +889,13 @@ async fn still_serving(
         &format!("after {fault}: the new pod's claim unprepared"),
         Duration::from_secs(60),
         || async {
-            (gpu_instances(host).ok() == Some(1) && claim_specs(c).len() == 1).then_some(())
+            // The running MIG pod's and MPS share's specs.
+            (gpu_instances(host).ok() == Some(1) && claim_specs(c).len() == 2).then_some(())
         },
     )
     .await?;
     say(&format!(
-        "{fault}: the running pod kept its MIG instance; a new pod was admitted and unprepared"
+        "{fault}: the running pod kept its MIG instance, the MPS share its daemon; a new pod was admitted and unprepared"
     ));
     Ok(())
 }
@@ -810,10 +923,18 @@ fn plugin_process() -> Option<i32> {
 async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
     let holder = "holder";
     run_workload(client, holder, 3600).await?;
-    wait("the running pod", Duration::from_secs(120), || async {
-        pod_running(client, holder).await.then_some(())
-    })
-    .await?;
+    create_workload(client, mps_workload(MPS_HOLDER, 3600)?).await?;
+    for p in [holder, MPS_HOLDER] {
+        wait("the running pods", Duration::from_secs(120), || async {
+            pod_running(client, p).await.then_some(())
+        })
+        .await?;
+    }
+    let daemon = mps_daemons();
+    if daemon.len() != 1 {
+        return Err(format!("one MPS share runs, but MPS daemons {daemon:?}").into());
+    }
+    let d = &daemon;
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), PLUGIN_NS);
     let old = plugin_pods(client).await;
@@ -830,16 +951,16 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
         (now.len() == 1 && !old_uids.contains(&now[0].metadata.uid)).then_some(())
     })
     .await?;
-    still_serving(c, client, host, "plugin pod deleted", holder).await?;
+    still_serving(c, client, host, "plugin pod deleted", holder, d).await?;
 
     c.stop_component(Component::Kubelet);
     c.start_component(Component::Kubelet).await?;
     c.wait_node_ready(Duration::from_secs(120)).await?;
-    still_serving(c, client, host, "kubelet restarted", holder).await?;
+    still_serving(c, client, host, "kubelet restarted", holder, d).await?;
 
     c.stop_component(Component::Containerd);
     c.start_component(Component::Containerd).await?;
-    still_serving(c, client, host, "containerd restarted", holder).await?;
+    still_serving(c, client, host, "containerd restarted", holder, d).await?;
 
     // Listed before the upgrade: the surge pod appears at once.
     let old_uids: Vec<Option<String>> = plugin_pods(client)
@@ -871,7 +992,7 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
         .then_some(())
     })
     .await?;
-    still_serving(c, client, host, "rolling update", holder).await?;
+    still_serving(c, client, host, "rolling update", holder, d).await?;
 
     // The API server down while the plugin restarts: the kubelet restarts
     // the killed container from the pod it knows; the plugin must register
@@ -924,19 +1045,24 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
         host,
         "API server down during a plugin restart",
         holder,
+        d,
     )
     .await?;
 
     remove_workload(client, holder).await?;
+    remove_workload(client, MPS_HOLDER).await?;
     wait(
-        "the running pod's claim unprepared",
+        "the running pods' claims unprepared, the MPS daemon stopped",
         Duration::from_secs(60),
         || async {
-            (gpu_instances(host).ok() == Some(0) && claim_specs(c).is_empty()).then_some(())
+            (gpu_instances(host).ok() == Some(0)
+                && claim_specs(c).is_empty()
+                && mps_daemons().is_empty())
+            .then_some(())
         },
     )
     .await?;
-    say("faults: nothing lost, no instance leaked");
+    say("faults: nothing lost, no instance or MPS daemon leaked");
     Ok(())
 }
 
@@ -1159,7 +1285,7 @@ async fn control_plane_upgrade_on_a_real_cluster() {
     }
     let carve = carve_binary().expect("carve binary");
     let sim = sim_library().expect("NVML simulator library");
-    let root = PathBuf::from(format!("/tmp/carve-up-{}", std::process::id()));
+    let root = PathBuf::from(format!("/tmp/carve-cl-up-{}", std::process::id()));
     say(&format!(
         "upgrade: starting Kubernetes {} under {}",
         path[0],

@@ -57,6 +57,10 @@ pub const PROBE_IMAGE: &str = "registry.local/carve/probe:e2e";
 pub const CARVE_REPOSITORY: &str = "registry.local/carve/carve";
 /// Its tag.
 pub const CARVE_TAG: &str = "e2e";
+/// The chart's `mps.daemonCgroup` in the suite: the cgroup (under the
+/// host's root, in each hierarchy) of the MPS daemons, which outlive the
+/// plugin's pod; the teardown kills and removes it.
+pub const MPS_DAEMON_CGROUP: &str = "carve-e2e-mps";
 
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
@@ -387,6 +391,22 @@ impl Cluster {
         carve: &Path,
         sim_lib: &Path,
     ) -> Result<Self, ClusterError> {
+        let mut c = Self::lay_out(bins, root)?;
+        c.start_component(Component::Etcd).await?;
+        c.start_component(Component::ApiServer).await?;
+        c.bind_kubelet_api_access().await?;
+        c.start_component(Component::ControllerManager).await?;
+        c.start_component(Component::Scheduler).await?;
+        c.start_component(Component::Containerd).await?;
+        c.import_images(carve, sim_lib)?;
+        c.start_component(Component::Kubelet).await?;
+        c.wait_node_ready(Duration::from_secs(120)).await?;
+        Ok(c)
+    }
+
+    /// The directories, certificates, configuration, mounts and network of
+    /// a cluster, nothing started.
+    fn lay_out(bins: Binaries, root: &Path) -> Result<Self, ClusterError> {
         let layout = Layout::new(root);
         for d in [
             &layout.root,
@@ -414,16 +434,29 @@ impl Cluster {
         c.mount_root()?;
         c.network()?;
         c.write_configs()?;
+        Ok(c)
+    }
+
+    /// Only etcd, the API server and the scheduler, under `root` (which must
+    /// not exist): no kubelet, no containerd, no controller manager (its node
+    /// lifecycle controller would taint Node objects no kubelet heartbeats).
+    /// For Node objects made by hand, to schedule onto (a benchmark of the
+    /// scheduler).
+    ///
+    /// # Errors
+    /// A component fails to start, with its log.
+    pub async fn start_control_plane(bins: Binaries, root: &Path) -> Result<Self, ClusterError> {
+        let mut c = Self::lay_out(bins, root)?;
         c.start_component(Component::Etcd).await?;
         c.start_component(Component::ApiServer).await?;
-        c.bind_kubelet_api_access().await?;
-        c.start_component(Component::ControllerManager).await?;
         c.start_component(Component::Scheduler).await?;
-        c.start_component(Component::Containerd).await?;
-        c.import_images(carve, sim_lib)?;
-        c.start_component(Component::Kubelet).await?;
-        c.wait_node_ready(Duration::from_secs(120)).await?;
         Ok(c)
+    }
+
+    /// The pid of `c`'s process, while it runs.
+    #[must_use]
+    pub fn pid(&self, c: Component) -> Option<u32> {
+        self.procs.get(&c).map(Proc::pid)
     }
 
     /// A client with the admin's credentials.
@@ -1140,10 +1173,7 @@ state = "{root}/containerd/state"
                 nix::sys::signal::Signal::SIGKILL,
             );
         }
-        for h in ["pids", "freezer", "memory", "cpu"] {
-            let root = Path::new("/sys/fs/cgroup").join(h).join("kubepods");
-            kill_cgroup_tree(&root);
-        }
+        kill_node_cgroups();
     }
 
     /// Unmounts everything under the root, deepest first.
@@ -1199,12 +1229,18 @@ impl Drop for Cluster {
 /// cache), its mounts under `/tmp/carve-cl-*`, the bridge and the DNAT rules.
 fn sweep_stale(bins: &Binaries) {
     let shim = bins.containerd("containerd-shim-runc-v2");
-    for exe in [
-        &bins.kube,
-        &bins.etcd,
-        &bins.containerd("containerd"),
-        &shim,
-    ] {
+    // Every release's kube binary (an upgrade run runs several).
+    let kubes: Vec<PathBuf> = std::fs::read_dir(cache_dir())
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("kube-v"))
+        .map(|e| e.path().join("kube"))
+        .collect();
+    for exe in kubes
+        .iter()
+        .chain([&bins.etcd, &bins.containerd("containerd"), &shim])
+    {
         for pid in pids_of(exe) {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),
@@ -1212,6 +1248,7 @@ fn sweep_stale(bins: &Binaries) {
             );
         }
     }
+    kill_node_cgroups();
     unmount_where(|m| m.starts_with("/tmp/carve-cl-"));
     let _ = Command::new("ip").args(["link", "del", BRIDGE]).output();
     if let Ok(out) = Command::new("iptables")
@@ -1247,6 +1284,25 @@ fn pids_of(exe: &Path) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == exe))
         .collect()
+}
+
+/// Kills what the node's cgroups hold and removes them, in every hierarchy
+/// (cgroup v1) or the one tree (v2): the pods' (`kubepods`) and the MPS
+/// daemons' ([`MPS_DAEMON_CGROUP`], outside the pods' by design).
+fn kill_node_cgroups() {
+    let base = Path::new("/sys/fs/cgroup");
+    let mut roots = vec![base.to_path_buf()];
+    if let Ok(rd) = std::fs::read_dir(base) {
+        roots.extend(rd.filter_map(Result::ok).map(|e| e.path()));
+    }
+    for r in roots {
+        for name in ["kubepods", MPS_DAEMON_CGROUP] {
+            let d = r.join(name);
+            if d.is_dir() {
+                kill_cgroup_tree(&d);
+            }
+        }
+    }
 }
 
 /// SIGKILL to every process in the cgroup tree at `root`, then removes the

@@ -304,13 +304,7 @@ async fn pending_reason(client: &Client) -> String {
 
 async fn scenario(a: &Args, layout: Layout, claim: Claim) -> R<Measured> {
     let bins = Binaries::locate(&cluster::kube_version())?;
-    let minor: u32 = bins
-        .kube_version
-        .split('.')
-        .nth(1)
-        .and_then(|m| m.parse().ok())
-        .ok_or("kube version")?;
-    let kube = KubeLayout::for_version(1, minor)?;
+    let kube = KubeLayout::for_version(1, cluster::minor(&bins.kube_version))?;
     let root = PathBuf::from(format!("/tmp/carve-cl-bench-{}", std::process::id()));
     let mut c = Cluster::start_control_plane(bins, &root).await?;
     let client = c.client().await?;

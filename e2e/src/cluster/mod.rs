@@ -305,7 +305,8 @@ pub fn feature_gates(kube_version: &str) -> Vec<&'static str> {
 }
 
 /// The minor version of `1.<minor>.<patch>` (0 if unreadable).
-fn minor(kube_version: &str) -> u32 {
+#[must_use]
+pub fn minor(kube_version: &str) -> u32 {
     kube_version
         .split('.')
         .nth(1)

@@ -289,18 +289,19 @@ impl Component {
 /// (`../shared/reference/real-cluster.md` §3): partitionable devices,
 /// consumable capacity, device taints and extended resources are alpha and
 /// off on 1.34 and 1.35; from 1.36 they are beta and on (1.37: GA or beta),
-/// so nothing is set there. Every component accepts every gate.
+/// so nothing is set there. Every component accepts every gate. The names
+/// of the gates to turn on.
 #[must_use]
-pub fn feature_gates(kube_version: &str) -> Vec<&'static str> {
+pub fn feature_gates(kube_version: &str) -> &'static [&'static str] {
     if minor(kube_version) < 36 {
-        vec![
-            "DRAPartitionableDevices=true",
-            "DRAConsumableCapacity=true",
-            "DRADeviceTaints=true",
-            "DRAExtendedResource=true",
+        &[
+            "DRAPartitionableDevices",
+            "DRAConsumableCapacity",
+            "DRADeviceTaints",
+            "DRAExtendedResource",
         ]
     } else {
-        Vec::new()
+        &[]
     }
 }
 
@@ -730,19 +731,11 @@ state = "{root}/containerd/state"
             .map_or(self.bins.kube_version.as_str(), String::as_str)
     }
 
-    fn kube_binary(&self, c: Component) -> PathBuf {
-        match self.releases.get(&c) {
-            Some(v) => kube_binary(v),
-            None => self.bins.kube.clone(),
-        }
-    }
-
     /// `c`'s feature gates: those its release needs, then the overrides.
     fn gates(&self, c: Component) -> BTreeMap<String, bool> {
         let mut gates: BTreeMap<String, bool> = feature_gates(self.release(c))
             .iter()
-            .filter_map(|g| g.split_once('='))
-            .map(|(k, v)| (k.to_string(), v == "true"))
+            .map(|g| ((*g).to_string(), true))
             .collect();
         if let Some(o) = self.gate_overrides.get(&c) {
             gates.extend(o.iter().map(|(k, v)| (k.clone(), *v)));
@@ -799,7 +792,7 @@ state = "{root}/containerd/state"
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(",");
-        let kube = self.kube_binary(c);
+        let kube = kube_binary(self.release(c));
         let mut cmd;
         match c {
             Component::Etcd => {

@@ -645,24 +645,36 @@ async fn carve_on_a_real_one_node_cluster() {
     }
 }
 
-async fn suite(c: &mut Cluster, client: &Client) -> R<()> {
+/// The GPU host's files, then carve installed by its chart with helm
+/// (`extra`: more `helm install` arguments), until its DaemonSet is ready.
+async fn install_carve(c: &Cluster, client: &Client, extra: &[&str]) -> R<GpuHost> {
     let sim = sim_library()?;
     let host = gpu_host(&c.layout.root, &sim)?;
-    let values = values(&*c, &host)?;
-    let chart = workspace_root().join("deploy/helm/carve");
-    let installed = c.helm(&[
+    let values = values(c, &host)?.display().to_string();
+    let chart = workspace_root()
+        .join("deploy/helm/carve")
+        .display()
+        .to_string();
+    let mut args = vec![
         "install",
         "carve",
-        &chart.display().to_string(),
+        &chart,
         "--namespace",
         PLUGIN_NS,
         "--create-namespace",
         "-f",
-        &values.display().to_string(),
-    ]);
-    installed.map_err(|e: ClusterError| format!("helm install: {e}"))?;
+        &values,
+    ];
+    args.extend_from_slice(extra);
+    c.helm(&args)
+        .map_err(|e: ClusterError| format!("helm install: {e}"))?;
     say("chart installed by helm");
     plugin_ready(client, Duration::from_secs(120)).await?;
+    Ok(host)
+}
+
+async fn suite(c: &mut Cluster, client: &Client) -> R<()> {
+    let host = install_carve(c, client, &[]).await?;
     let published = wait(
         "carve's ResourceSlices",
         Duration::from_secs(60),
@@ -1315,25 +1327,8 @@ async fn control_plane_upgrade_on_a_real_cluster() {
 }
 
 async fn upgrade(c: &mut Cluster, client: &Client, path: &[String]) -> R<()> {
-    let sim = sim_library()?;
-    let host = gpu_host(&c.layout.root, &sim)?;
-    let values = values(&*c, &host)?;
-    let chart = workspace_root().join("deploy/helm/carve");
-    c.helm(&[
-        "install",
-        "carve",
-        &chart.display().to_string(),
-        "--namespace",
-        PLUGIN_NS,
-        "--create-namespace",
-        "-f",
-        &values.display().to_string(),
-        // Each step waits for one resync.
-        "--set",
-        "kubeletPlugin.resyncSeconds=3",
-    ])
-    .map_err(|e| format!("helm install: {e}"))?;
-    plugin_ready(client, Duration::from_secs(120)).await?;
+    // Each step waits for one resync.
+    let host = install_carve(c, client, &["--set", "kubeletPlugin.resyncSeconds=3"]).await?;
     let (layout, mut generation) = wait(
         "carve's ResourceSlices",
         Duration::from_secs(60),

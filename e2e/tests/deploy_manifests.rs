@@ -965,6 +965,8 @@ fn schema_rejects_unknown_keys_and_bad_policies() {
         "nvml: {simulator: {config: {gpus: [{model: h100-80gb, cnt: 2}]}}}",
         "migPolicy: {perGpu: [{gpu: -1, policy: dynamic}]}",
         "kubeletPlugin: {metricsPort: 70000}",
+        "kubeletPlugin: {resyncSeconds: 0}",
+        "kubeletPlugin: {resyncSeconds: fast}",
         "mps: {protocol: v4}",
         "mps: {migInstances: yes-please}",
         "mps: {daemonCgroup: ../escape}",

@@ -52,8 +52,8 @@ pub enum E2eError {
         /// How to get it.
         hint: String,
     },
-    /// `cargo build -p carve` failed.
-    #[error("building the carve binary ({cmd}) failed: {status}")]
+    /// A nested `cargo build` (of carve, or of the image's binaries) failed.
+    #[error("building ({cmd}) failed: {status}")]
     Build {
         /// The command line.
         cmd: String,
@@ -215,6 +215,67 @@ fn build_carve() -> Result<PathBuf, E2eError> {
             hint: format!("{shown} succeeded but left no binary"),
         })
     }
+}
+
+/// The binaries that go into carve's image: `carve` and the NVML simulator
+/// built as `deploy/Dockerfile` builds them (`cargo build --profile dist
+/// -p carve -p carve-nvml-sim`: fat LTO, `panic = "abort"`), so the image
+/// under test is the one that ships. `CARVE_E2E_IMAGE_PROFILE` picks another
+/// profile (`dev` reuses the test build: faster, but not what ships).
+///
+/// Built once per test process, into this build's target directory.
+///
+/// # Errors
+/// The build fails or leaves no binary.
+pub fn image_binaries() -> Result<(PathBuf, PathBuf), E2eError> {
+    static BUILT: Mutex<Option<(PathBuf, PathBuf)>> = Mutex::new(None);
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(p) = built.as_ref() {
+        return Ok(p.clone());
+    }
+    let profile = std::env::var("CARVE_E2E_IMAGE_PROFILE").unwrap_or_else(|_| "dist".into());
+    let here = target_profile_dir()?;
+    let this = here
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let pair = if profile == this || (profile == "dev" && this == "debug") {
+        (carve_binary()?, sim_library()?)
+    } else {
+        let target_dir = here.parent().map(Path::to_path_buf).unwrap_or_default();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(workspace_root())
+            .args(["build", "--quiet", "--locked", "--profile", &profile])
+            .args(["-p", "carve", "-p", "carve-nvml-sim", "--target-dir"])
+            .arg(&target_dir);
+        let shown = format!("{cmd:?}");
+        let status = cmd.status().map_err(io("running", Path::new(&cargo)))?;
+        if !status.success() {
+            return Err(E2eError::Build { cmd: shown, status });
+        }
+        let dir = target_dir.join(if profile == "dev" { "debug" } else { &profile });
+        let found = |name: &str, what: &'static str| {
+            let p = dir.join(name);
+            if p.is_file() {
+                Ok(p)
+            } else {
+                Err(E2eError::Missing {
+                    what,
+                    path: p,
+                    hint: format!("{shown} succeeded but left no file there"),
+                })
+            }
+        };
+        (
+            found("carve", "carve binary")?,
+            found("libnvidia_ml_sim.so", "NVML simulator library")?,
+        )
+    };
+    *built = Some(pair.clone());
+    Ok(pair)
 }
 
 /// The NVML simulator cdylib cargo built for this profile

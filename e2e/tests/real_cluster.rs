@@ -17,12 +17,15 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use carve_e2e::cluster::{self, Binaries, Cluster, ClusterError, Component};
-use carve_e2e::{carve_binary, sim_library, workspace_root};
+use carve_e2e::{carve_binary, image_binaries, sim_library, workspace_root};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 use kube::{Api, Client};
+
+#[path = "real_cluster/grants.rs"]
+mod grants;
 
 const NS: &str = "carve-e2e";
 const PLUGIN_NS: &str = "carve-system";
@@ -621,8 +624,9 @@ async fn carve_on_a_real_one_node_cluster() {
         }
         Err(e) => panic!("CARVE_CLUSTER_REQUIRED=1: {e}"),
     };
-    let carve = carve_binary().expect("carve binary");
-    let sim = sim_library().expect("NVML simulator library");
+    // The image is built from what ships: `--profile dist` (fat LTO,
+    // panic = "abort"), as deploy/Dockerfile builds it.
+    let (carve, sim) = image_binaries().expect("carve's image binaries");
     // Short: the kubelet's plugin sockets live under it (sockaddr_un).
     let root = PathBuf::from(format!("/tmp/carve-cl-{}", std::process::id()));
     say(&format!(
@@ -694,6 +698,7 @@ async fn suite(c: &mut Cluster, client: &Client) -> R<()> {
     examples(&*c, client, &host).await?;
     extended_resource(&*c, client, &host).await?;
     faults(c, client, &host).await?;
+    grants::grants(c, client).await?;
     Ok(())
 }
 
@@ -1074,8 +1079,17 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
     )
     .await?;
 
-    remove_workload(client, holder).await?;
     remove_workload(client, MPS_HOLDER).await?;
+    wait(
+        "the MPS share's claim unprepared, its daemon stopped",
+        Duration::from_secs(60),
+        || async {
+            (gpu_instances(host).ok() == Some(1) && mps_daemons().is_empty()).then_some(())
+        },
+    )
+    .await?;
+    corrupt_checkpoint(c, client, host, holder).await?;
+    remove_workload(client, holder).await?;
     wait(
         "the running pods' claims unprepared, the MPS daemon stopped",
         Duration::from_secs(60),
@@ -1088,6 +1102,71 @@ async fn faults(c: &mut Cluster, client: &Client, host: &GpuHost) -> R<()> {
     )
     .await?;
     say("faults: nothing lost, no instance or MPS daemon leaked");
+    Ok(())
+}
+
+/// The plugin killed right after its checkpoint was torn (a node that lost
+/// power mid-write, a full disk): it must rebuild from NVML and the API
+/// server (`list resourceclaims`), adopt the running pod's claim with its
+/// instance, and later unprepare it like any other.
+async fn corrupt_checkpoint(c: &Cluster, client: &Client, host: &GpuHost, holder: &str) -> R<()> {
+    let path = host.state_dir.join("checkpoint.json");
+    if !path.is_file() {
+        return Err(format!("no checkpoint at {}", path.display()).into());
+    }
+    let pid = plugin_process().ok_or("no carve kubelet-plugin process on the host")?;
+    let before = plugin_restarts(client).await?;
+    // SIGKILL right after: no chance for the plugin to write it again.
+    std::fs::write(&path, b"{\"version\": 1, \"claims\": {\"")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    wait(
+        "the kubelet to restart the plugin container",
+        Duration::from_secs(60),
+        || async {
+            let n = plugin_restarts(client).await.ok()?;
+            (n > before).then_some(())
+        },
+    )
+    .await?;
+    plugin_ready(client, Duration::from_secs(120)).await?;
+    let log = plugin_log(client).await;
+    let adopted_one = log.contains("adopted=1") || log.contains("\"adopted\":1");
+    if !log.contains("unusable checkpoint moved aside") || !adopted_one {
+        return Err(format!(
+            "after a torn checkpoint the plugin did not say it rebuilt and adopted the running claim; its log:\n{log}"
+        )
+        .into());
+    }
+    if !pod_running(client, holder).await || gpu_instances(host)? != 1 {
+        return Err(format!(
+            "after a torn checkpoint: pod {holder} running {}, {} GPU instances (wanted its one)",
+            pod_running(client, holder).await,
+            gpu_instances(host)?
+        )
+        .into());
+    }
+    let probe = "after-torn-checkpoint";
+    run_workload(client, probe, 0).await?;
+    let (phase, log) = pod_result(client, probe, Duration::from_secs(120)).await?;
+    if phase != "Succeeded" {
+        return Err(format!("after a torn checkpoint: a new pod {phase}; its log:\n{log}").into());
+    }
+    check_probe(probe, Expect::Mig, &log)?;
+    remove_workload(client, probe).await?;
+    wait(
+        "after a torn checkpoint: the new pod's claim unprepared",
+        Duration::from_secs(60),
+        || async {
+            (gpu_instances(host).ok() == Some(1) && claim_specs(c).len() == 1).then_some(())
+        },
+    )
+    .await?;
+    say(
+        "torn checkpoint: the plugin rebuilt from NVML and the API server and adopted the running pod's claim; a new pod was admitted and unprepared",
+    );
     Ok(())
 }
 
@@ -1304,8 +1383,9 @@ async fn control_plane_upgrade_on_a_real_cluster() {
             b.display()
         );
     }
-    let carve = carve_binary().expect("carve binary");
-    let sim = sim_library().expect("NVML simulator library");
+    // The image is built from what ships: `--profile dist` (fat LTO,
+    // panic = "abort"), as deploy/Dockerfile builds it.
+    let (carve, sim) = image_binaries().expect("carve's image binaries");
     let root = PathBuf::from(format!("/tmp/carve-cl-up-{}", std::process::id()));
     say(&format!(
         "upgrade: starting Kubernetes {} under {}",

@@ -481,6 +481,67 @@ impl Cluster {
         kube::Client::try_from(cfg).map_err(ClusterError::kube("building the admin client"))
     }
 
+    /// A client that authenticates with `token` (a ServiceAccount token),
+    /// trusting the cluster's CA.
+    ///
+    /// # Errors
+    /// The admin kubeconfig cannot be read.
+    pub async fn client_with_token(&self, token: &str) -> Result<kube::Client, ClusterError> {
+        let kc = kube::config::Kubeconfig::read_from(&self.admin_kubeconfig).map_err(|e| {
+            ClusterError::Command {
+                what: "reading the admin kubeconfig".into(),
+                output: e.to_string(),
+            }
+        })?;
+        let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .map_err(|e| ClusterError::Command {
+                what: "the admin kubeconfig".into(),
+                output: e.to_string(),
+            })?;
+        // The token alone: no client certificate of the admin's.
+        cfg.auth_info = kube::config::AuthInfo {
+            token: Some(token.to_string().into()),
+            ..Default::default()
+        };
+        kube::Client::try_from(cfg).map_err(ClusterError::kube("building a token client"))
+    }
+
+    /// The API server's audit log: ServiceAccounts' requests outside
+    /// kube-system, one JSON event a line (across restarts and releases).
+    #[must_use]
+    pub fn audit_log(&self) -> PathBuf {
+        self.layout.logs.join("audit.log")
+    }
+
+    /// The audit events of `user`, one per request (the event of a request's
+    /// last stage: `ResponseComplete`, or `ResponseStarted` for a watch
+    /// still open).
+    ///
+    /// # Errors
+    /// The log cannot be read or a line is not JSON.
+    pub fn audit_events(&self, user: &str) -> Result<Vec<serde_json::Value>, ClusterError> {
+        let path = self.audit_log();
+        let text = std::fs::read_to_string(&path).map_err(ClusterError::io("reading", &path))?;
+        let mut by_id: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let ev: serde_json::Value =
+                serde_json::from_str(line).map_err(ClusterError::json("an audit event"))?;
+            if ev["user"]["username"] != user {
+                continue;
+            }
+            let id = ev["auditID"].as_str().unwrap_or_default().to_string();
+            let complete = ev["stage"] == "ResponseComplete";
+            match by_id.get(&id) {
+                Some(old) if old["stage"] == "ResponseComplete" && !complete => {}
+                _ => {
+                    by_id.insert(id, ev);
+                }
+            }
+        }
+        Ok(by_id.into_values().collect())
+    }
+
     /// The log of `c` so far (last `lines` lines).
     #[must_use]
     pub fn log(&self, c: Component, lines: usize) -> String {
@@ -606,6 +667,15 @@ impl Cluster {
             Some(&format!("IP:{BRIDGE_IP},IP:127.0.0.1,DNS:localhost")),
         )?;
         let pki = &self.pki.dir;
+        // Every request of a ServiceAccount outside kube-system (carve's
+        // plugin), at Metadata level: who, verb, resource, name, answer.
+        // The suite checks from it that each verb the chart grants is used
+        // and none was refused. RequestReceived is left out: one event per
+        // request when it is answered (and one when a watch starts).
+        self.write(
+            "audit-policy.yaml",
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n  - level: None\n    userGroups: [\"system:serviceaccounts:kube-system\"]\n  - level: Metadata\n    userGroups: [\"system:serviceaccounts\"]\n  - level: None\n",
+        )?;
         self.write(
             "scheduler.yaml",
             &format!(
@@ -836,6 +906,12 @@ state = "{root}/containerd/state"
                     // The chart's plugin runs privileged on GPU nodes.
                     "--allow-privileged=true".into(),
                     "--profiling=false".into(),
+                    format!(
+                        "--audit-policy-file={}",
+                        self.layout.path("audit-policy.yaml").display()
+                    ),
+                    format!("--audit-log-path={}", self.audit_log().display()),
+                    "--audit-log-format=json".into(),
                 ]);
                 // 1.34's scheduler, with DRADeviceTaints on, waits for an
                 // informer of v1alpha3 DeviceTaintRules, which the server

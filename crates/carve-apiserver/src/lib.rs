@@ -25,6 +25,7 @@
 //! # Ok(()) }
 //! ```
 
+mod authz;
 mod http_api;
 mod patch;
 mod resource;
@@ -38,6 +39,7 @@ use std::fmt;
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 
+pub use authz::{Attributes, Identity, PolicyRule};
 pub use patch::PatchError;
 pub use resource::{API_VERSION, GROUP, Resource, UnknownResource, VERSION};
 pub use selector::{FieldSelector, LabelSelector, SelectorError, Selectors};

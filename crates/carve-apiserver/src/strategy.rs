@@ -41,7 +41,15 @@
 //!   (`ResourceSliceMaxAttributeValuesPerDevice`), a list not empty; a
 //!   capacity `requestPolicy` only with `allowMultipleAllocations: true`.
 //!
-//! Nothing else of a ResourceSlice or ResourceClaim is validated here.
+//! * Granular status authorization (DRAResourceClaimGranularStatusAuthorization,
+//!   1.36+; `pkg/registry/resource/resourceclaim/strategy.go`
+//!   `resourceclaimStatusStrategy.ValidateUpdate` and
+//!   `pkg/registry/resource/utils.go`): see [`authorize_claim_status`]; only
+//!   for requests of a registered identity (crate `authz` module).
+//!
+//! Nothing else of a ResourceSlice or ResourceClaim is validated here (in
+//! particular not the admin-access namespace label, and stale
+//! `status.devices` entries are not dropped on deallocation).
 
 use std::collections::BTreeSet;
 
@@ -65,7 +73,11 @@ pub enum FeatureGate {
     /// `DRAResourceClaimGranularStatusAuthorization`: beta and on by default
     /// from 1.36, absent before (`pkg/features/kube_features.go`; it depends
     /// on DRAResourceClaimDeviceStatus, beta on from 1.33 and GA in 1.37,
-    /// which the stand-in treats as always on). See [`authorize_claim_status`].
+    /// which the stand-in treats as always on). While on, a ResourceClaim
+    /// status write by a registered identity ([`crate::ApiServer::set_identity`])
+    /// needs `resourceclaims/binding` to change the allocation or
+    /// reservedFor and `resourceclaims/driver` per driver to change
+    /// `status.devices` (the crate's `strategy` module has the details).
     ResourceClaimGranularStatusAuthorization,
 }
 

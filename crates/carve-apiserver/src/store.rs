@@ -21,7 +21,8 @@ pub(crate) struct ApiError {
     pub code: u16,
     pub reason: &'static str,
     pub message: String,
-    pub details: Option<Details>,
+    /// Boxed: an `ApiError` travels in every `Result` of the HTTP layer.
+    pub details: Option<Box<Details>>,
 }
 
 /// `Status.details`: what the failure is about.
@@ -46,23 +47,23 @@ impl ApiError {
     }
 
     fn with_details(mut self, res: Resource, name: &str) -> Self {
-        self.details = Some(Details {
+        self.details = Some(Box::new(Details {
             group: GROUP.to_string(),
             kind: res.plural().to_string(),
             name: name.to_string(),
             causes: Vec::new(),
-        });
+        }));
         self
     }
 
     /// Details as `NewForbidden` sets them: group, resource, name.
     pub fn with_forbidden_details(mut self, group: &str, resource: &str, name: &str) -> Self {
-        self.details = Some(Details {
+        self.details = Some(Box::new(Details {
             group: group.to_string(),
             kind: resource.to_string(),
             name: name.to_string(),
             causes: Vec::new(),
-        });
+        }));
         self
     }
 
@@ -131,7 +132,7 @@ impl ApiError {
             "Invalid",
             format!("{}.{GROUP} {name:?} is invalid: {cause}", res.kind()),
         );
-        e.details = Some(Details {
+        e.details = Some(Box::new(Details {
             group: GROUP.to_string(),
             kind: res.kind().to_string(),
             name: name.to_string(),
@@ -145,7 +146,7 @@ impl ApiError {
                     )
                 })
                 .collect(),
-        });
+        }));
         e
     }
 

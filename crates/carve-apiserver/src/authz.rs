@@ -4,7 +4,9 @@
 //! [`crate::ApiServer::set_identity`]: then every request must carry
 //! `Authorization: Bearer <token>` of a registered identity (401 otherwise),
 //! and each resource request must be allowed by one of that identity's
-//! [`PolicyRule`]s (403 otherwise). Paraphrased from upstream:
+//! [`PolicyRule`]s (403 otherwise). Injected faults ([`crate::Fault`]) are
+//! applied before authentication; refused requests are counted and logged
+//! like any other. Paraphrased from upstream:
 //!
 //! * Authentication (k8s.io/apiserver
 //!   `pkg/authentication/request/bearertoken/bearertoken.go`,

@@ -361,6 +361,10 @@ pub struct SimNode {
     pub driver: nvidia_ml_sim::driver_root::FakeDriver,
     /// `--kube-api-url`.
     pub api_url: String,
+    /// A kubeconfig file for the plugin (`KUBECONFIG`), e.g. one with a
+    /// bearer token; when set, the plugin runs without `--kube-api-url`
+    /// and `api_url` is unused. `None` by default.
+    pub kubeconfig: Option<PathBuf>,
     carve: PathBuf,
     child: Option<Child>,
     starts: u32,
@@ -417,6 +421,7 @@ impl SimNode {
             sim,
             driver,
             api_url: api_url.into(),
+            kubeconfig: None,
             carve,
             child: None,
             starts: 0,
@@ -438,7 +443,7 @@ impl SimNode {
     #[must_use]
     pub fn plugin_args(&self) -> Vec<String> {
         let s = |p: &Path| p.display().to_string();
-        vec![
+        let mut args: Vec<String> = vec![
             "kubelet-plugin".into(),
             "--node-name".into(),
             self.node_name.clone(),
@@ -460,13 +465,15 @@ impl SimNode {
             s(&self.driver.devices_file),
             "--nvml-lib".into(),
             s(&self.nvml_lib),
-            "--kube-api-url".into(),
-            self.api_url.clone(),
             "--metrics-addr".into(),
             "127.0.0.1:0".into(),
             "--mig-policy".into(),
             "dynamic".into(),
-        ]
+        ];
+        if self.kubeconfig.is_none() {
+            args.extend(["--kube-api-url".into(), self.api_url.clone()]);
+        }
+        args
     }
 
     fn log_path(&self) -> PathBuf {
@@ -514,7 +521,11 @@ impl SimNode {
         let log = self.log_path();
         let out = File::create(&log).map_err(io("creating", &log))?;
         let err = out.try_clone().map_err(io("duplicating", &log))?;
-        let child = Command::new(&self.carve)
+        let mut cmd = Command::new(&self.carve);
+        if let Some(k) = &self.kubeconfig {
+            cmd.env("KUBECONFIG", k);
+        }
+        let child = cmd
             .args(self.plugin_args())
             .env(nvidia_ml_sim::CONFIG_ENV, &self.sim_config_path)
             .env("RUST_LOG", "info")

@@ -15,12 +15,13 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::authz::{Attributes, Identity, bearer_token, forbidden, forbidden_path, unauthorized};
 use crate::patch::{find_directive, json_patch, merge_patch};
 use crate::resource::{API_VERSION, GROUP, Resource, VERSION};
 use crate::selector::{FieldSelector, LabelSelector, Selectors};
-use crate::server::{FaultAction, ServerState};
+use crate::server::{Caller, FaultAction, ServerState};
 use crate::store::{ApiError, Event, EventKind, Part, Preconditions, Store};
-use crate::strategy::{Gates, prepare};
+use crate::strategy::{Gates, authorize_claim_status, prepare};
 use crate::{KubeVersion, RequestRecord};
 
 pub(crate) type RespBody = BoxBody<Bytes, Infallible>;
@@ -281,14 +282,131 @@ pub(crate) async fn handle(
             if let Some(FaultAction::Delay(delay)) = delayed {
                 tokio::time::sleep(delay).await;
             }
-            dispatch(&state, route, &parts, &query, body)
-                .await
-                .unwrap_or_else(|e| error_response(&e))
+            let token = bearer_token(
+                parts
+                    .headers
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok()),
+            );
+            let caller = state.authenticate(token);
+            match authorize(caller, &route, &rec.verb, &query, &rec.path) {
+                Ok(who) => dispatch(&state, route, &parts, &query, body, who.as_ref())
+                    .await
+                    .unwrap_or_else(|e| error_response(&e)),
+                Err(e) => error_response(&e),
+            }
         }
     };
     rec.status = resp.status().as_u16();
     state.record(rec, d.write);
     Ok(resp)
+}
+
+/// The name a list or watch is limited to by a field selector that requires
+/// `metadata.name=<name>` (k8s.io/apiserver `requestinfo.go`), else `""`.
+fn selected_name(query: &Query) -> String {
+    query
+        .get("fieldSelector")
+        .unwrap_or("")
+        .split(',')
+        .find_map(|term| {
+            let (k, v) = term.split_once("==").or_else(|| term.split_once('='))?;
+            let v = v.trim();
+            (k.trim() == "metadata.name"
+                && !matches!(v, "" | "." | "..")
+                && !v.contains(['/', '%']))
+            .then(|| v.to_string())
+        })
+        .unwrap_or_default()
+}
+
+/// Authentication and authorization of one request (see the `authz`
+/// module): the identity to check status writes against, `None` while no
+/// identity is registered.
+fn authorize(
+    caller: Caller,
+    route: &Route,
+    verb: &str,
+    query: &Query,
+    path: &str,
+) -> Result<Option<Identity>, ApiError> {
+    let who = match caller {
+        Caller::Anyone => return Ok(None),
+        Caller::Unknown => return Err(unauthorized()),
+        Caller::Known(who) => who,
+    };
+    let attrs = match route {
+        Route::Collection { res, ns } => {
+            let name = if matches!(verb, "list" | "watch") {
+                selected_name(query)
+            } else {
+                String::new()
+            };
+            Attributes::new(verb, res.plural(), "", ns.as_deref().unwrap_or(""), &name)
+        }
+        Route::Item {
+            res,
+            ns,
+            name,
+            status,
+        } => Attributes::new(
+            verb,
+            res.plural(),
+            if *status { "status" } else { "" },
+            ns,
+            name,
+        ),
+        Route::Unknown => return Ok(Some(who)),
+        Route::Version
+        | Route::Api
+        | Route::CoreV1
+        | Route::Apis
+        | Route::Group
+        | Route::GroupVersion
+        | Route::Health => {
+            return if verb == "get" {
+                Ok(Some(who))
+            } else {
+                Err(forbidden_path(&who.username, verb, path))
+            };
+        }
+    };
+    if who.allows(&attrs) {
+        Ok(Some(who))
+    } else {
+        Err(forbidden(&who.username, &attrs))
+    }
+}
+
+/// What a write goes through before it is stored: the version's and gates'
+/// strategy, then, for a ResourceClaim status write by an identity, the
+/// granular status authorization.
+#[derive(Clone, Copy)]
+struct WriteRules<'a> {
+    version: KubeVersion,
+    gates: Gates,
+    who: Option<&'a Identity>,
+    /// `update` or `patch`.
+    verb: &'static str,
+}
+
+impl WriteRules<'_> {
+    fn apply(
+        &self,
+        res: Resource,
+        part: Part,
+        (ns, name): (&str, &str),
+        obj: &mut Value,
+        old: Option<&Value>,
+    ) -> Result<(), ApiError> {
+        prepare(res, part, obj, old, self.version, self.gates)?;
+        if let (Resource::ResourceClaims, Part::Status, Some(who), Some(old)) =
+            (res, part, self.who, old)
+        {
+            authorize_claim_status(who, self.verb, (ns, name), obj, old, self.gates)?;
+        }
+        Ok(())
+    }
 }
 
 fn method_not_allowed(method: &Method, what: &str) -> ApiError {
@@ -305,6 +423,7 @@ async fn dispatch(
     parts: &Parts,
     query: &Query,
     body: Incoming,
+    who: Option<&Identity>,
 ) -> Result<Response<RespBody>, ApiError> {
     let method = &parts.method;
     let store = &state.store;
@@ -415,20 +534,24 @@ async fn dispatch(
                     let dry = query.dry_run()?;
                     let mut obj = read_json(parts, body).await?;
                     let old = store.get(res, Some(&ns), &name);
-                    prepare(
-                        res,
-                        part,
-                        &mut obj,
-                        old.as_ref(),
-                        state.version(),
-                        state.gates(),
-                    )?;
+                    let rules = WriteRules {
+                        version: state.version(),
+                        gates: state.gates(),
+                        who,
+                        verb: "update",
+                    };
+                    rules.apply(res, part, (&ns, &name), &mut obj, old.as_ref())?;
                     let updated = store.update(res, &ns, &name, obj, part, dry)?;
                     Ok(json_response(200, &updated))
                 }
                 Method::PATCH => {
                     let dry = query.dry_run()?;
-                    let rules = (state.version(), state.gates());
+                    let rules = WriteRules {
+                        version: state.version(),
+                        gates: state.gates(),
+                        who,
+                        verb: "patch",
+                    };
                     let patched =
                         patch(store, res, &ns, &name, part, dry, rules, parts, body).await?;
                     Ok(json_response(200, &patched))
@@ -513,7 +636,7 @@ async fn patch(
     name: &str,
     part: Part,
     dry: bool,
-    (version, gates): (KubeVersion, Gates),
+    rules: WriteRules<'_>,
     parts: &Parts,
     body: Incoming,
 ) -> Result<Value, ApiError> {
@@ -542,7 +665,7 @@ async fn patch(
         "application/json-patch+json" => store.patch(res, ns, name, part, dry, |cur| {
             let mut v =
                 json_patch(cur, &doc).map_err(|e| ApiError::invalid(res, name, &e.to_string()))?;
-            prepare(res, part, &mut v, Some(cur), version, gates)?;
+            rules.apply(res, part, (ns, name), &mut v, Some(cur))?;
             Ok(v)
         }),
         strategic_or_merge => {
@@ -556,7 +679,7 @@ async fn patch(
             store.patch(res, ns, name, part, dry, |cur| {
                 let mut v = cur.clone();
                 merge_patch(&mut v, &doc);
-                prepare(res, part, &mut v, Some(cur), version, gates)?;
+                rules.apply(res, part, (ns, name), &mut v, Some(cur))?;
                 Ok(v)
             })
         }

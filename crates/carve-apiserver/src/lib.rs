@@ -5,15 +5,41 @@
 //! client can be tested against it. It adds fault injection, request counters
 //! and direct store access for tests.
 //!
-//! It is not a Kubernetes API server: no authentication or authorization, no
-//! admission, no schema validation of `spec` (only kind, apiVersion, name and
-//! namespace are checked, plus the ResourceSlice rules that change with the
-//! Kubernetes version it reports and the fields dropped while a feature gate
-//! is off: [`ApiServer::set_version`], [`ApiServer::set_feature_gate`]; the
-//! `strategy` module lists them with their upstream sources), no server-side apply, no protobuf, no
-//! pagination (`limit`/`continue` return everything in one page), and
-//! strategic merge patch is applied as a JSON merge patch (lists are replaced,
-//! `$` directives are rejected). State lives in memory only.
+//! Authentication and authorization are opt-in. With no identity registered
+//! (the default) every request is allowed, unchecked. Once
+//! [`ApiServer::set_identity`] has registered a bearer token with an
+//! [`Identity`] (user name, the node-name extra of a pod-bound ServiceAccount
+//! token, and RBAC-style [`PolicyRule`]s), every request needs a registered
+//! token (401 Unauthorized otherwise), `/version`, `/api`, `/apis`, the
+//! discovery paths and the health paths are open to every identity for
+//! `get`, and every resource request needs a rule that allows its verb,
+//! resource or `resource/subresource` and name (403 Forbidden otherwise, in
+//! the real server's words); [`Identity::admin`] is allowed everything.
+//! While the version has DRAResourceClaimGranularStatusAuthorization on
+//! (1.36 and later, [`FeatureGate::ResourceClaimGranularStatusAuthorization`]),
+//! a ResourceClaim status write by an identity also needs the synthetic
+//! `resourceclaims/binding` permission to change `status.allocation` or
+//! `status.reservedFor`, and per driver `associated-node:<verb>` (for a
+//! ServiceAccount on the claim's node) or `arbitrary-node:<verb>` on
+//! `resourceclaims/driver` to change that driver's `status.devices` entries
+//! (422 Invalid otherwise). The `authz` and `strategy` modules cite the
+//! upstream sources. Not modelled: anonymous requests, client certificates,
+//! groups and `system:masters` (an identity's own rules are all it has),
+//! namespaced RoleBindings (every rule applies in every namespace), rules for
+//! non-resource URLs, impersonation, the Node authorizer and
+//! SubjectAccessReviews; paths the stand-in does not serve answer 404 to any
+//! identity without being authorized.
+//!
+//! It is not a Kubernetes API server: no admission, no schema validation of
+//! `spec` (only kind, apiVersion, name and namespace are checked, plus the
+//! ResourceSlice rules that change with the Kubernetes version it reports,
+//! the fields dropped while a feature gate is off and the status
+//! authorization above: [`ApiServer::set_version`],
+//! [`ApiServer::set_feature_gate`]; the `strategy` module lists them with
+//! their upstream sources), no server-side apply, no protobuf, no pagination
+//! (`limit`/`continue` return everything in one page), and strategic merge
+//! patch is applied as a JSON merge patch (lists are replaced, `$` directives
+//! are rejected). State lives in memory only.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), carve_apiserver::Error> {
@@ -25,6 +51,7 @@
 //! # Ok(()) }
 //! ```
 
+mod authz;
 mod http_api;
 mod patch;
 mod resource;
@@ -38,6 +65,7 @@ use std::fmt;
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 
+pub use authz::{Attributes, Identity, PolicyRule};
 pub use patch::PatchError;
 pub use resource::{API_VERSION, GROUP, Resource, UnknownResource, VERSION};
 pub use selector::{FieldSelector, LabelSelector, SelectorError, Selectors};

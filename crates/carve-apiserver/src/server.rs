@@ -1,5 +1,6 @@
 //! The listening side: accept loop, connection handling, and the running-server handle.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,6 +13,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::authz::Identity;
 use crate::store::Store;
 use crate::strategy::{FeatureGate, Gates};
 use crate::{Error, Fault, KubeVersion, Options, RequestRecord, Stats};
@@ -34,6 +36,17 @@ pub(crate) enum FaultAction {
     Delay(std::time::Duration),
 }
 
+/// Who sent a request.
+#[derive(Debug)]
+pub(crate) enum Caller {
+    /// No identity is registered: everything is allowed, unchecked.
+    Anyone,
+    /// A registered token's identity.
+    Known(Identity),
+    /// Identities are registered but the request has none of their tokens.
+    Unknown,
+}
+
 /// State shared by every connection of one server.
 #[derive(Debug)]
 pub(crate) struct ServerState {
@@ -48,6 +61,8 @@ pub(crate) struct ServerState {
     /// The feature gates whose fields writes lose while they are off
     /// (see [`crate::strategy`]).
     gates: Mutex<Gates>,
+    /// Registered bearer tokens; empty: no authentication or authorization.
+    identities: Mutex<BTreeMap<String, Identity>>,
     /// Bumped when the server goes down or stops: open watches end.
     pub epoch: watch::Sender<u64>,
     /// Bumped by [`ApiServer::send_bookmarks`].
@@ -69,6 +84,7 @@ impl ServerState {
             down: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             gates: Mutex::new(Gates::default()),
+            identities: Mutex::new(BTreeMap::new()),
             epoch: watch::Sender::new(0),
             bookmarks: watch::Sender::new(0),
         }
@@ -78,8 +94,21 @@ impl ServerState {
         *lock(&self.version)
     }
 
+    /// The gates in force at the current version.
     pub fn gates(&self) -> Gates {
-        *lock(&self.gates)
+        lock(&self.gates).effective(self.version())
+    }
+
+    /// Who sends `token`.
+    pub fn authenticate(&self, token: Option<&str>) -> Caller {
+        let ids = lock(&self.identities);
+        if ids.is_empty() {
+            return Caller::Anyone;
+        }
+        match token.and_then(|t| ids.get(t)) {
+            Some(id) => Caller::Known(id.clone()),
+            None => Caller::Unknown,
+        }
     }
 
     pub fn is_down(&self) -> bool {
@@ -277,9 +306,54 @@ impl ApiServer {
         lock(&self.state.gates).set(gate, on);
     }
 
-    /// Whether a feature gate is on.
+    /// Whether a feature gate is in force: set on (the default) and, for
+    /// a gate that not every version has, present at the current version
+    /// (DRAResourceClaimGranularStatusAuthorization from 1.36). Setting such
+    /// a gate while the version lacks it takes effect once
+    /// [`ApiServer::set_version`] reaches a version that has it.
     pub fn feature_gate(&self, gate: FeatureGate) -> bool {
         self.state.gates().get(gate)
+    }
+
+    /// Registers (or replaces) a bearer token and the identity it stands
+    /// for. From the first registration on, every request needs a
+    /// registered token (401 Unauthorized otherwise) and every resource
+    /// request needs a rule of its identity that allows it (403 Forbidden
+    /// otherwise); `/version` and discovery stay open to every identity.
+    /// Register [`Identity::admin`] for a client that may do everything.
+    /// Takes effect for the next request; see the crate's `authz` module.
+    pub fn set_identity(&self, token: impl Into<String>, identity: Identity) {
+        lock(&self.state.identities).insert(token.into(), identity);
+    }
+
+    /// Unregisters a token; returns its identity. Once none is left, every
+    /// request is allowed again.
+    pub fn remove_identity(&self, token: &str) -> Option<Identity> {
+        lock(&self.state.identities).remove(token)
+    }
+
+    /// [`ApiServer::try_client`] sending `Authorization: Bearer <token>`
+    /// (`kube::Config::auth_info.token`).
+    pub fn try_client_with_token(&self, token: &str) -> Result<kube::Client, Error> {
+        let mut config = self.config();
+        config.default_retry = false;
+        config.auth_info.token = Some(token.to_string().into());
+        kube::Client::try_from(config).map_err(|source| Error::Client {
+            url: self.url(),
+            source: Box::new(source),
+        })
+    }
+
+    /// [`ApiServer::try_client_with_token`], panicking where
+    /// [`ApiServer::client`] would.
+    ///
+    /// # Panics
+    /// If kube fails to build the client or there is no tokio runtime.
+    pub fn client_with_token(&self, token: &str) -> kube::Client {
+        match self.try_client_with_token(token) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
     }
 
     /// Changes what `/version` reports from now on.

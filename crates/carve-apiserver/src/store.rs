@@ -21,7 +21,19 @@ pub(crate) struct ApiError {
     pub code: u16,
     pub reason: &'static str,
     pub message: String,
-    pub details: Option<(Resource, String)>,
+    /// Boxed: an `ApiError` travels in every `Result` of the HTTP layer.
+    pub details: Option<Box<Details>>,
+}
+
+/// `Status.details`: what the failure is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Details {
+    pub group: String,
+    /// A plural resource name (NotFound, Conflict, Forbidden) or a kind (Invalid).
+    pub kind: String,
+    pub name: String,
+    /// `(reason, message, field)` per field error of an Invalid answer.
+    pub causes: Vec<(String, String, String)>,
 }
 
 impl ApiError {
@@ -35,7 +47,23 @@ impl ApiError {
     }
 
     fn with_details(mut self, res: Resource, name: &str) -> Self {
-        self.details = Some((res, name.to_string()));
+        self.details = Some(Box::new(Details {
+            group: GROUP.to_string(),
+            kind: res.plural().to_string(),
+            name: name.to_string(),
+            causes: Vec::new(),
+        }));
+        self
+    }
+
+    /// Details as `NewForbidden` sets them: group, resource, name.
+    pub fn with_forbidden_details(mut self, group: &str, resource: &str, name: &str) -> Self {
+        self.details = Some(Box::new(Details {
+            group: group.to_string(),
+            kind: resource.to_string(),
+            name: name.to_string(),
+            causes: Vec::new(),
+        }));
         self
     }
 
@@ -82,6 +110,46 @@ impl ApiError {
         .with_details(res, name)
     }
 
+    /// 422 Invalid from `field.Forbidden` errors `(field, detail)`, as
+    /// k8s.io/apimachinery `pkg/api/errors/errors.go` `NewInvalid` builds it:
+    /// message `<Kind>.<group> "<name>" is invalid: <field>: Forbidden:
+    /// <detail>` (several errors, duplicates dropped, as `[e1, e2]`), details
+    /// naming the kind, one cause per error.
+    pub fn invalid_forbidden(res: Resource, name: &str, errs: &[(String, String)]) -> Self {
+        let mut texts: Vec<String> = Vec::new();
+        for (field, detail) in errs {
+            let t = format!("{field}: Forbidden: {detail}");
+            if !texts.contains(&t) {
+                texts.push(t);
+            }
+        }
+        let cause = match texts.as_slice() {
+            [one] => one.clone(),
+            many => format!("[{}]", many.join(", ")),
+        };
+        let mut e = ApiError::new(
+            422,
+            "Invalid",
+            format!("{}.{GROUP} {name:?} is invalid: {cause}", res.kind()),
+        );
+        e.details = Some(Box::new(Details {
+            group: GROUP.to_string(),
+            kind: res.kind().to_string(),
+            name: name.to_string(),
+            causes: errs
+                .iter()
+                .map(|(field, detail)| {
+                    (
+                        "FieldValueForbidden".to_string(),
+                        format!("Forbidden: {detail}"),
+                        field.clone(),
+                    )
+                })
+                .collect(),
+        }));
+        e
+    }
+
     /// The `Status` body Kubernetes sends with a failure.
     pub fn status_json(&self) -> Value {
         let mut status = json!({
@@ -93,8 +161,17 @@ impl ApiError {
             "reason": self.reason,
             "code": self.code,
         });
-        if let Some((res, name)) = &self.details {
-            status["details"] = json!({"name": name, "group": GROUP, "kind": res.plural()});
+        if let Some(d) = &self.details {
+            status["details"] = json!({"name": d.name, "group": d.group, "kind": d.kind});
+            if !d.causes.is_empty() {
+                status["details"]["causes"] = d
+                    .causes
+                    .iter()
+                    .map(|(reason, message, field)| {
+                        json!({"reason": reason, "message": message, "field": field})
+                    })
+                    .collect();
+            }
         }
         status
     }

@@ -41,17 +41,27 @@
 //!   (`ResourceSliceMaxAttributeValuesPerDevice`), a list not empty; a
 //!   capacity `requestPolicy` only with `allowMultipleAllocations: true`.
 //!
-//! Nothing else of a ResourceSlice or ResourceClaim is validated here.
+//! * Granular status authorization (DRAResourceClaimGranularStatusAuthorization,
+//!   1.36+; `pkg/registry/resource/resourceclaim/strategy.go`
+//!   `resourceclaimStatusStrategy.ValidateUpdate` and
+//!   `pkg/registry/resource/utils.go`): see [`authorize_claim_status`]; only
+//!   for requests of a registered identity (crate `authz` module).
+//!
+//! Nothing else of a ResourceSlice or ResourceClaim is validated here (in
+//! particular not the admin-access namespace label, and stale
+//! `status.devices` entries are not dropped on deallocation).
 
 use std::collections::BTreeSet;
 
 use serde_json::{Map, Value};
 
 use crate::KubeVersion;
+use crate::authz::{Attributes, Identity, forbidden_message};
 use crate::resource::Resource;
 use crate::store::{ApiError, Part};
 
-/// The feature gates whose fields the stand-in drops while they are off.
+/// The feature gates the stand-in models: three whose fields it drops
+/// while they are off, and one that adds authorization checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FeatureGate {
     /// `DRAPartitionableDevices`.
@@ -60,14 +70,24 @@ pub enum FeatureGate {
     DeviceTaints,
     /// `DRAConsumableCapacity`.
     ConsumableCapacity,
+    /// `DRAResourceClaimGranularStatusAuthorization`: beta and on by default
+    /// from 1.36, absent before (`pkg/features/kube_features.go`; it depends
+    /// on DRAResourceClaimDeviceStatus, beta on from 1.33 and GA in 1.37,
+    /// which the stand-in treats as always on). While on, a ResourceClaim
+    /// status write by a registered identity ([`crate::ApiServer::set_identity`])
+    /// needs `resourceclaims/binding` to change the allocation or
+    /// reservedFor and `resourceclaims/driver` per driver to change
+    /// `status.devices` (the crate's `strategy` module has the details).
+    ResourceClaimGranularStatusAuthorization,
 }
 
 impl FeatureGate {
     /// Every gate.
-    pub const ALL: [FeatureGate; 3] = [
+    pub const ALL: [FeatureGate; 4] = [
         FeatureGate::PartitionableDevices,
         FeatureGate::DeviceTaints,
         FeatureGate::ConsumableCapacity,
+        FeatureGate::ResourceClaimGranularStatusAuthorization,
     ];
 
     /// The gate's name.
@@ -76,25 +96,40 @@ impl FeatureGate {
             FeatureGate::PartitionableDevices => "DRAPartitionableDevices",
             FeatureGate::DeviceTaints => "DRADeviceTaints",
             FeatureGate::ConsumableCapacity => "DRAConsumableCapacity",
+            FeatureGate::ResourceClaimGranularStatusAuthorization => {
+                "DRAResourceClaimGranularStatusAuthorization"
+            }
+        }
+    }
+
+    /// The first version that has the gate (`None`: every version served).
+    pub fn since(self) -> Option<KubeVersion> {
+        match self {
+            FeatureGate::ResourceClaimGranularStatusAuthorization => Some(V1_36),
+            _ => None,
         }
     }
 }
 
-/// Which gates are on.
+/// Which gates are set on. A gate a version does not have is off whatever
+/// is set here, see [`Gates::effective`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Gates {
     pub partitionable_devices: bool,
     pub device_taints: bool,
     pub consumable_capacity: bool,
+    pub granular_status_authorization: bool,
 }
 
 impl Default for Gates {
-    /// All on (the stand-in's default; the real 1.34 and 1.35 default is off).
+    /// All on (the stand-in's default; the real 1.34 and 1.35 default of
+    /// the first three is off; the fourth is on by default where it exists).
     fn default() -> Self {
         Gates {
             partitionable_devices: true,
             device_taints: true,
             consumable_capacity: true,
+            granular_status_authorization: true,
         }
     }
 }
@@ -105,6 +140,9 @@ impl Gates {
             FeatureGate::PartitionableDevices => self.partitionable_devices,
             FeatureGate::DeviceTaints => self.device_taints,
             FeatureGate::ConsumableCapacity => self.consumable_capacity,
+            FeatureGate::ResourceClaimGranularStatusAuthorization => {
+                self.granular_status_authorization
+            }
         }
     }
 
@@ -113,7 +151,20 @@ impl Gates {
             FeatureGate::PartitionableDevices => self.partitionable_devices = on,
             FeatureGate::DeviceTaints => self.device_taints = on,
             FeatureGate::ConsumableCapacity => self.consumable_capacity = on,
+            FeatureGate::ResourceClaimGranularStatusAuthorization => {
+                self.granular_status_authorization = on;
+            }
         }
+    }
+
+    /// The gates in force at `version`: those it does not have are off.
+    pub fn effective(mut self, version: KubeVersion) -> Gates {
+        for g in FeatureGate::ALL {
+            if g.since().is_some_and(|v| version < v) {
+                self.set(g, false);
+            }
+        }
+        self
     }
 }
 
@@ -555,5 +606,189 @@ pub(crate) fn prepare(
             Ok(())
         }
         _ => Ok(()),
+    }
+}
+
+/// `v` with every `null`, empty list and empty object removed (recursively),
+/// `Null` if nothing is left: Go's semantic equality treats a nil and an
+/// empty slice or map, and an absent and a null pointer, alike.
+fn normalized(v: Option<&Value>) -> Value {
+    fn norm(v: &Value) -> Option<Value> {
+        match v {
+            Value::Null => None,
+            Value::Array(a) => {
+                let items: Vec<Value> = a.iter().map(|x| norm(x).unwrap_or(Value::Null)).collect();
+                (!items.is_empty()).then_some(Value::Array(items))
+            }
+            Value::Object(o) => {
+                let m: Map<String, Value> = o
+                    .iter()
+                    .filter_map(|(k, x)| norm(x).map(|x| (k.clone(), x)))
+                    .collect();
+                (!m.is_empty()).then_some(Value::Object(m))
+            }
+            other => Some(other.clone()),
+        }
+    }
+    v.and_then(norm).unwrap_or(Value::Null)
+}
+
+fn status_devices(claim: &Value) -> &[Value] {
+    claim
+        .pointer("/status/devices")
+        .and_then(Value::as_array)
+        .map_or(&[], Vec::as_slice)
+}
+
+/// The drivers whose `status.devices` entries were added, removed or changed,
+/// an entry being identified by driver, pool, device and shareID
+/// (`pkg/registry/resource/utils.go` `getModifiedDrivers`), sorted.
+fn modified_drivers(new: &Value, old: &Value) -> BTreeSet<String> {
+    let s = |d: &Value, f: &str| d.get(f).and_then(Value::as_str).unwrap_or("").to_string();
+    let key = |d: &Value| {
+        (
+            s(d, "driver"),
+            s(d, "pool"),
+            s(d, "device"),
+            s(d, "shareID"),
+        )
+    };
+    let mut old_entries: std::collections::BTreeMap<_, &Value> =
+        status_devices(old).iter().map(|d| (key(d), d)).collect();
+    let mut drivers = BTreeSet::new();
+    for d in status_devices(new) {
+        let k = key(d);
+        match old_entries.remove(&k) {
+            Some(o) if normalized(Some(o)) == normalized(Some(d)) => {}
+            _ => {
+                drivers.insert(k.0);
+            }
+        }
+    }
+    drivers.extend(old_entries.into_keys().map(|k| k.0));
+    drivers
+}
+
+/// The node an allocation is limited to, if its node selector is exactly one
+/// term with exactly one `matchFields` entry `metadata.name In [<node>]` and
+/// no `matchExpressions` (`pkg/registry/resource/utils.go`
+/// `nodeNameFromAllocation`); `None` otherwise.
+fn node_of_allocation(claim: &Value) -> Option<&str> {
+    let terms = claim
+        .pointer("/status/allocation/nodeSelector/nodeSelectorTerms")?
+        .as_array()?;
+    let [term] = terms.as_slice() else {
+        return None;
+    };
+    let len = |f: &str| term.get(f).and_then(Value::as_array).map_or(0, Vec::len);
+    if len("matchExpressions") != 0 || len("matchFields") != 1 {
+        return None;
+    }
+    let f = term.pointer("/matchFields/0")?;
+    let values = f.get("values").and_then(Value::as_array)?;
+    let ok = f.get("key").and_then(Value::as_str) == Some("metadata.name")
+        && f.get("operator").and_then(Value::as_str) == Some("In")
+        && values.len() == 1;
+    ok.then(|| values[0].as_str())
+        .flatten()
+        .filter(|n| !n.is_empty())
+}
+
+/// Whether `who` is a ServiceAccount whose token is bound to the node the
+/// claim is allocated on (`pkg/registry/resource/utils.go`
+/// `saAssociatedWithAllocatedNode`: a ServiceAccount user name, one
+/// node-name extra that is a valid node name, equal to the allocation's node).
+fn associated_with_allocated_node(who: &Identity, claim: &Value) -> bool {
+    let Some(node) = node_of_allocation(claim) else {
+        return false;
+    };
+    who.service_account_name().is_some()
+        && who
+            .node_name
+            .as_deref()
+            .is_some_and(|n| is_dns_subdomain(n) && n == node)
+}
+
+/// The per-field authorization of a ResourceClaim status write by `who`
+/// with `verb` (`update` or `patch`), while
+/// DRAResourceClaimGranularStatusAuthorization is on
+/// (`pkg/registry/resource/resourceclaim/strategy.go`
+/// `resourceclaimStatusStrategy.ValidateUpdate`, the checks in
+/// `pkg/registry/resource/utils.go`):
+///
+/// * `AuthorizedForBinding`: a write that changes `status.allocation` or
+///   `status.reservedFor` needs `<verb>` on `resourceclaims/binding`,
+///   cluster-wide and for all names.
+/// * `AuthorizedForDeviceStatus`, only when the new status has an
+///   allocation: for every driver whose `status.devices` entries were added,
+///   removed or changed, `<verb>` with the prefix `associated-node:` (only
+///   for a ServiceAccount whose token is bound to the allocation's node) or
+///   else `arbitrary-node:` on `resourceclaims/driver` named by the driver,
+///   in the claim's namespace.
+///
+/// A refusal is a `field.Forbidden` on `status.allocation` or
+/// `status.devices` (one per driver), answered as 422 Invalid, e.g.
+/// `ResourceClaim.resource.k8s.io "c" is invalid: status.devices: Forbidden:
+/// changing status.devices requires resource="resourceclaims/driver",
+/// verb="[associated-node:patch arbitrary-node:patch]" permission:
+/// resourceclaims.resource.k8s.io "gpu.carve.dev" is forbidden: User …`.
+/// Equality is JSON equality after dropping nulls and empty lists and
+/// objects; quantities are compared as written, not numerically.
+pub(crate) fn authorize_claim_status(
+    who: &Identity,
+    verb: &str,
+    (namespace, name): (&str, &str),
+    new: &Value,
+    old: &Value,
+    gates: Gates,
+) -> Result<(), ApiError> {
+    if !gates.granular_status_authorization {
+        return Ok(());
+    }
+    let mut errs: Vec<(String, String)> = Vec::new();
+    let changed = |p: &str| normalized(new.pointer(p)) != normalized(old.pointer(p));
+    if changed("/status/allocation") || changed("/status/reservedFor") {
+        let attrs = Attributes::new(verb, "resourceclaims", "binding", "", "");
+        if !who.allows(&attrs) {
+            errs.push((
+                "status.allocation".to_string(),
+                format!(
+                    "changing status.allocation or status.reservedFor requires resource=\"resourceclaims/binding\", verb=\"{verb}\" permission: {}",
+                    forbidden_message(&who.username, &attrs)
+                ),
+            ));
+        }
+    }
+    if !normalized(new.pointer("/status/allocation")).is_null() {
+        let mut verbs = Vec::new();
+        if associated_with_allocated_node(who, new) {
+            verbs.push(format!("associated-node:{verb}"));
+        }
+        verbs.push(format!("arbitrary-node:{verb}"));
+        for driver in modified_drivers(new, old) {
+            let tried: Vec<Attributes> = verbs
+                .iter()
+                .map(|v| Attributes::new(v, "resourceclaims", "driver", namespace, &driver))
+                .collect();
+            if !tried.iter().any(|a| who.allows(a)) {
+                errs.push((
+                    "status.devices".to_string(),
+                    format!(
+                        "changing status.devices requires resource=\"resourceclaims/driver\", verb=\"[{}]\" permission: {}",
+                        verbs.join(" "),
+                        forbidden_message(&who.username, &tried[0])
+                    ),
+                ));
+            }
+        }
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_forbidden(
+            Resource::ResourceClaims,
+            name,
+            &errs,
+        ))
     }
 }

@@ -20,7 +20,7 @@ use carve_apiserver::{Resource, Store};
 use carve_model::GpuModel;
 use carve_model::names::DeviceName;
 use carve_plugin::{CDI_KIND, CdiSpec, claim_spec_path};
-use k8s_openapi::api::resource::v1::{AllocationResult, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{AllocationResult, DeviceClass, ResourceClaim, ResourceSlice};
 use nvidia_ml_sim::{GpuEntry, SimConfig, SimState};
 
 /// How often waits look again.
@@ -276,6 +276,36 @@ pub fn image_binaries() -> Result<(PathBuf, PathBuf), E2eError> {
     };
     *built = Some(pair.clone());
     Ok(pair)
+}
+
+/// The DeviceClasses of `examples/deviceclasses.yaml` (what the examples'
+/// claims name), created through `client`.
+///
+/// # Panics
+/// The file cannot be read, holds no DeviceClass, or a create fails: a
+/// test's setup, not a case to handle.
+pub async fn create_example_classes(client: kube::Client) -> Vec<DeviceClass> {
+    let path = workspace_root().join("examples/deviceclasses.yaml");
+    let classes: Vec<DeviceClass> = carve_alloc::load_yaml_documents(&path)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .filter_map(|o| match o {
+            carve_alloc::Object::Class(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !classes.is_empty(),
+        "{} holds no DeviceClass",
+        path.display()
+    );
+    let api: kube::Api<DeviceClass> = kube::Api::all(client);
+    for c in &classes {
+        api.create(&kube::api::PostParams::default(), c)
+            .await
+            .unwrap_or_else(|e| panic!("creating DeviceClass {:?}: {e}", c.metadata.name));
+    }
+    classes
 }
 
 /// The NVML simulator cdylib cargo built for this profile

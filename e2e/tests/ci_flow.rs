@@ -112,25 +112,7 @@ struct Rig {
 }
 
 async fn classes_into(api: &ApiServer) -> Vec<DeviceClass> {
-    let path = workspace_root().join("examples/deviceclasses.yaml");
-    let classes: Vec<DeviceClass> = load_yaml_documents(&path)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .filter_map(|o| match o {
-            Object::Class(c) => Some(c),
-            _ => None,
-        })
-        .collect();
-    assert!(
-        !classes.is_empty(),
-        "{} holds no DeviceClass",
-        path.display()
-    );
-    let capi: Api<DeviceClass> = Api::all(api.client());
-    for c in &classes {
-        capi.create(&PostParams::default(), c).await.unwrap();
-    }
-    classes
+    carve_e2e::create_example_classes(api.client()).await
 }
 
 async fn wait_published(node: &mut SimNode, store: &Store) -> Vec<ResourceSlice> {

@@ -99,20 +99,7 @@ fn admin_client(api: &ApiServer) -> kube::Client {
 }
 
 async fn create_classes(api: &ApiServer) -> Vec<DeviceClass> {
-    let path = workspace_root().join("examples/deviceclasses.yaml");
-    let classes: Vec<DeviceClass> = load_yaml_documents(&path)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .filter_map(|o| match o {
-            Object::Class(c) => Some(c),
-            _ => None,
-        })
-        .collect();
-    let capi: Api<DeviceClass> = Api::all(admin_client(api));
-    for c in &classes {
-        capi.create(&PostParams::default(), c).await.unwrap();
-    }
-    classes
+    carve_e2e::create_example_classes(admin_client(api)).await
 }
 
 fn whole_gpu_claim() -> ResourceClaim {

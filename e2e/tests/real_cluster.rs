@@ -908,13 +908,7 @@ async fn still_serving(
         .into());
     }
     let probe = format!("after-{}", fault.to_lowercase().replace(' ', "-"));
-    run_workload(client, &probe, 0).await?;
-    let (phase, log) = pod_result(client, &probe, Duration::from_secs(120)).await?;
-    if phase != "Succeeded" {
-        return Err(format!("after {fault}: a new pod {phase}; its log:\n{log}").into());
-    }
-    check_probe(&probe, Expect::Mig, &log)?;
-    remove_workload(client, &probe).await?;
+    fresh_mig_pod(client, &probe, fault).await?;
     wait(
         &format!("after {fault}: the new pod's claim unprepared"),
         Duration::from_secs(60),
@@ -928,6 +922,18 @@ async fn still_serving(
         "{fault}: the running pod kept its MIG instance, the MPS share its daemon; a new pod was admitted and unprepared"
     ));
     Ok(())
+}
+
+/// A new MIG pod after `what`: admitted, run to completion with its
+/// devices, then deleted (the caller waits for its unprepare).
+async fn fresh_mig_pod(client: &Client, name: &str, what: &str) -> R<()> {
+    run_workload(client, name, 0).await?;
+    let (phase, log) = pod_result(client, name, Duration::from_secs(120)).await?;
+    if phase != "Succeeded" {
+        return Err(format!("after {what}: a new pod {phase}; its log:\n{log}").into());
+    }
+    check_probe(name, Expect::Mig, &log)?;
+    remove_workload(client, name).await
 }
 
 /// The carve process of the plugin's container, seen from the host.
@@ -1148,14 +1154,7 @@ async fn corrupt_checkpoint(c: &Cluster, client: &Client, host: &GpuHost, holder
         )
         .into());
     }
-    let probe = "after-torn-checkpoint";
-    run_workload(client, probe, 0).await?;
-    let (phase, log) = pod_result(client, probe, Duration::from_secs(120)).await?;
-    if phase != "Succeeded" {
-        return Err(format!("after a torn checkpoint: a new pod {phase}; its log:\n{log}").into());
-    }
-    check_probe(probe, Expect::Mig, &log)?;
-    remove_workload(client, probe).await?;
+    fresh_mig_pod(client, "after-torn-checkpoint", "a torn checkpoint").await?;
     wait(
         "after a torn checkpoint: the new pod's claim unprepared",
         Duration::from_secs(60),

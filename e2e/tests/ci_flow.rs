@@ -77,7 +77,8 @@ fn examples() -> Vec<(String, ResourceClaim)> {
 fn class_types(class: &str) -> &'static [&'static str] {
     match class {
         "mig.gpu.carve.dev" => &["mig"],
-        "mps.gpu.carve.dev" => &["mps", "mig-mps"],
+        "mps.gpu.carve.dev" => &["mps"],
+        "mig-mps.gpu.carve.dev" => &["mig-mps"],
         "timeslice.gpu.carve.dev" => &["timeslice"],
         _ => &["gpu"],
     }

@@ -647,6 +647,7 @@ fn check_common(m: &Manifests) {
             "gpu.carve.dev",
             "mig.gpu.carve.dev",
             "mps.gpu.carve.dev",
+            "mig-mps.gpu.carve.dev",
             "timeslice.gpu.carve.dev"
         ]
     );
@@ -1304,22 +1305,41 @@ fn device_class_selectors_select_the_intended_devices() {
         ("gpu.carve.dev", other.clone(), false),
         ("mig.gpu.carve.dev", device("mig", None), true),
         ("mig.gpu.carve.dev", device("gpu", None), false),
-        ("mps.gpu.carve.dev", device("gpu", Some("mps")), true),
-        ("mps.gpu.carve.dev", device("mig", Some("mps")), true),
-        ("mps.gpu.carve.dev", device("gpu", Some("timeslice")), false),
+        // Devices as carve publishes them: `type` and `sharing` together.
+        ("mps.gpu.carve.dev", device("mps", Some("mps")), true),
+        // A plain MPS claim never gets a MIG partition (which would switch
+        // the GPU into MIG mode): MIG-backed MPS has its own class.
+        ("mps.gpu.carve.dev", device("mig-mps", Some("mps")), false),
+        ("mps.gpu.carve.dev", device("mig", None), false),
+        (
+            "mps.gpu.carve.dev",
+            device("timeslice", Some("timeslice")),
+            false,
+        ),
         ("mps.gpu.carve.dev", other.clone(), false),
-        // Devices without a sharing attribute must not make the selector fail.
+        (
+            "mig-mps.gpu.carve.dev",
+            device("mig-mps", Some("mps")),
+            true,
+        ),
+        ("mig-mps.gpu.carve.dev", device("mps", Some("mps")), false),
+        ("mig-mps.gpu.carve.dev", device("mig", None), false),
+        ("mig-mps.gpu.carve.dev", other.clone(), false),
+        // Devices without a sharing attribute must not make a selector fail.
         ("mps.gpu.carve.dev", device("gpu", None), false),
+        ("mig-mps.gpu.carve.dev", device("gpu", None), false),
         ("timeslice.gpu.carve.dev", device("mig", None), false),
         // Nor devices without a type attribute.
         ("gpu.carve.dev", untyped.clone(), false),
         ("mig.gpu.carve.dev", untyped.clone(), false),
+        ("mps.gpu.carve.dev", untyped.clone(), false),
+        ("mig-mps.gpu.carve.dev", untyped.clone(), false),
         (
             "timeslice.gpu.carve.dev",
-            device("gpu", Some("timeslice")),
+            device("timeslice", Some("timeslice")),
             true,
         ),
-        ("timeslice.gpu.carve.dev", device("gpu", Some("mps")), false),
+        ("timeslice.gpu.carve.dev", device("mps", Some("mps")), false),
     ];
     for (class, dev, want) in cases {
         for expr in &sel[class] {

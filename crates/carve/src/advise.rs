@@ -226,7 +226,7 @@ pub fn advise(
         }
         if overhead > MIG_OVERHEAD_LIMIT {
             reasons.push(format!(
-                "the size mix costs {:.0}% extra compute under MIG's fixed profiles; the isolation above is worth it, or group tenants that trust each other on one MIG instance shared through MPS",
+                "the size mix costs {:.0}% extra compute under MIG's fixed profiles; the isolation above is worth it, or group tenants that trust each other on one MIG instance shared through MPS (DeviceClass mig-mps.gpu.carve.dev)",
                 (overhead - 1.0) * 100.0
             ));
         }
@@ -257,8 +257,9 @@ pub fn advise(
 }
 
 /// One ResourceClaimTemplate per size class: per MIG profile, per MPS share
-/// size (each tenant gets what its size needs, rounded up), or one for
-/// time-slicing.
+/// size (each tenant gets what its size needs of a whole GPU, rounded up; the
+/// class `mps.gpu.carve.dev` holds only whole-GPU MPS devices, so a template
+/// never switches a GPU into MIG mode), or one for time-slicing.
 fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> String {
     let template = |name: &str, serves: &str, body: &str| {
         format!(

@@ -699,7 +699,7 @@ fn mig_mps_claims() -> tempfile::TempDir {
         std::fs::write(
             dir.path().join(format!("{n}.yaml")),
             format!(
-                "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: migmps-{n}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mps.gpu.carve.dev\n        selectors:\n        - cel:\n            expression: device.attributes[\"gpu.carve.dev\"].type == \"mig-mps\" && device.attributes[\"gpu.carve.dev\"].profile == \"3g.40gb\"\n        capacity:\n          requests:\n            memory: 8Gi\n            multiprocessors: \"20\"\n"
+                "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: migmps-{n}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mig-mps.gpu.carve.dev\n        selectors:\n        - cel:\n            expression: device.attributes[\"gpu.carve.dev\"].profile == \"3g.40gb\"\n        capacity:\n          requests:\n            memory: 8Gi\n            multiprocessors: \"20\"\n"
             ),
         )
         .unwrap();

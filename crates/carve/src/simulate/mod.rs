@@ -647,6 +647,14 @@ mod tests {
         assert_eq!(claim_classes(&fa.claim), ["mig.gpu.carve.dev"]);
         let ts = set.claims.iter().find(|c| c.name() == "timeslice").unwrap();
         assert_eq!(claim_classes(&ts.claim), ["timeslice.gpu.carve.dev"]);
+        // A plain MPS share and one of a MIG partition name different
+        // classes: mps.gpu.carve.dev never hands out a MIG partition.
+        let class_of = |name: &str| {
+            let c = set.claims.iter().find(|c| c.name() == name).unwrap();
+            claim_classes(&c.claim)
+        };
+        assert_eq!(class_of("mps-share"), ["mps.gpu.carve.dev"]);
+        assert_eq!(class_of("mig-mps"), ["mig-mps.gpu.carve.dev"]);
     }
 
     #[test]

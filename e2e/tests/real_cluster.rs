@@ -815,8 +815,8 @@ fn mps_workload(name: &str, seconds: u32) -> R<(ResourceClaim, Pod)> {
         name,
         seconds,
         serde_json::json!({
-            "deviceClassName": "mps.gpu.carve.dev",
-            "selectors": [{"cel": {"expression": "device.attributes[\"gpu.carve.dev\"].type == \"mig-mps\" && device.attributes[\"gpu.carve.dev\"].profile == \"2g.20gb\" && device.attributes[\"gpu.carve.dev\"].index == 1"}}],
+            "deviceClassName": "mig-mps.gpu.carve.dev",
+            "selectors": [{"cel": {"expression": "device.attributes[\"gpu.carve.dev\"].profile == \"2g.20gb\" && device.attributes[\"gpu.carve.dev\"].index == 1"}}],
             "capacity": {"requests": {"memory": "8Gi", "multiprocessors": "16"}},
         }),
     )

@@ -525,13 +525,15 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
 #[test]
 fn every_gpus_flag_refuses_more_gpus_than_a_node_may_have() {
     // Before, `simulate --gpus h100:100000` ran until killed and `slices`
-    // printed slices for them.
+    // printed slices for them. Just past the limit here, so that a binary
+    // without the limit finishes (and fails the test) instead of taking the
+    // machine's memory.
     let claim = example("mig-1g");
     for (args, flag, total) in [
         (
-            vec!["simulate", "--gpus", "h100:100000"],
+            vec!["simulate", "--gpus", "h100:40,a100:25"],
             "--gpus <GPUS>",
-            "100000",
+            "65",
         ),
         (
             vec!["slices", "--gpus", "h100:60,l4:5"],
@@ -557,7 +559,7 @@ fn every_gpus_flag_refuses_more_gpus_than_a_node_may_have() {
         );
     }
     for args in [
-        vec!["bench", "slices", "--iterations", "1", "--gpus", "100000"],
+        vec!["bench", "slices", "--iterations", "1", "--gpus", "65"],
         vec!["bench", "prepare", "--iterations", "1", "--gpus", "65"],
     ] {
         let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));

@@ -1005,12 +1005,24 @@ impl<'a> Allocator<'a> {
         };
         let mut capacity = Vec::new();
         for (name, q) in spec.capacity.into_iter().flatten() {
-            let q = Qty::from_quantity(q).map_err(|e| AllocError::InvalidClaim {
+            let field = format!("{field}.capacity.requests.{name}");
+            let parsed = Qty::from_quantity(q).map_err(|e| AllocError::InvalidClaim {
                 claim: who.clone(),
-                field: format!("{field}.capacity.requests.{name}"),
+                field: field.clone(),
                 msg: e.to_string(),
             })?;
-            capacity.push((name.clone(), q));
+            // A request is an amount of a device's capacity; Kubernetes
+            // refuses one below zero (its allocator: "capacity value is
+            // negative"), which would otherwise be rounded up to the
+            // policy's minimum and allocated.
+            if parsed < Qty::ZERO {
+                return Err(AllocError::InvalidClaim {
+                    claim: who.clone(),
+                    field,
+                    msg: format!("negative requested quantity {:?}: must be 0 or more", q.0),
+                });
+            }
+            capacity.push((name.clone(), parsed));
         }
         let class_name = spec.class.to_string();
         let class_sels = self.compile(

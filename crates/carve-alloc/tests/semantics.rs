@@ -420,6 +420,34 @@ fn consumable_capacity_rounds_by_policy() {
 }
 
 #[test]
+fn a_negative_capacity_request_is_an_invalid_claim_naming_request_and_value() {
+    let inputs = setup(&["capacity.yaml"]);
+    let a = Allocator::new(&inputs).unwrap();
+    for (reqs, name, value) in [
+        ("mem: -10Gi", "mem", "-10Gi"),
+        ("bw: \"-5\"", "bw", "-5"),
+        ("free: \"-1m\"", "free", "-1m"),
+    ] {
+        let e = a.allocate(&cap_claim("c", reqs), "n4").unwrap_err();
+        let AllocError::InvalidClaim { field, msg, .. } = &e else {
+            panic!("{reqs}: {e:?}");
+        };
+        assert!(
+            field.ends_with(&format!(".capacity.requests.{name}")),
+            "{reqs}: {field}"
+        );
+        assert_eq!(
+            msg,
+            &format!("negative requested quantity {value:?}: must be 0 or more"),
+            "{reqs}"
+        );
+    }
+    // Zero is a request (rounded up by the policy), not an error.
+    let r = a.allocate(&cap_claim("c", "mem: \"0\""), "n4").unwrap();
+    assert!(consumed(&r).contains(&("mem".to_string(), "1Gi".to_string())));
+}
+
+#[test]
 fn consumable_capacity_is_used_up_by_shares() {
     let inputs = setup(&["capacity.yaml"]);
     let mut a = Allocator::new(&inputs).unwrap();

@@ -41,7 +41,7 @@ use crate::sharing::{MpsCapabilities, MpsDeviceSpec, SharingError, time_slice_de
 use crate::spec::{GpuSpec, PhysicalGpu, SpecError};
 
 pub use quantity::{Amount, QuantityError, parse_quantity};
-pub use sim::{parse_gpu_spec, simulated_gpus, simulated_node};
+pub use sim::{MAX_SIMULATED_GPUS, parse_gpu_spec, simulated_gpus, simulated_node};
 pub use summary::{GpuSummary, summarize};
 pub use validate::{
     KubeVersion, Rule, ValidationError, limits, taint_effects, taint_problem, validate_slices,
@@ -377,6 +377,19 @@ pub enum SliceError {
         input: String,
         /// What is wrong.
         why: String,
+    },
+    /// A `model:count[,model:count]` list asks for more GPUs than one
+    /// simulated node may have ([`MAX_SIMULATED_GPUS`]).
+    #[error(
+        "GPU list {input:?}: {total} GPUs on one node, more than the {max} a simulated node may have (a real node has at most 16)"
+    )]
+    TooManyGpus {
+        /// The text.
+        input: String,
+        /// The GPUs it asks for, all models together.
+        total: u64,
+        /// The limit.
+        max: u32,
     },
 }
 

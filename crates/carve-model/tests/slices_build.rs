@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use carve_model::geometry::{Instance, Occupancy, layouts};
 use carve_model::order::{DeviceOrder, node_device_order};
 use carve_model::slices::{
-    GpuPolicy, KubeLayout, NodeGpu, Rule, SliceError, SliceOptions, build_slices, consumption_fits,
-    counter_set_name, device_order, parse_gpu_spec, simulated_gpus, simulated_node, summarize,
-    validate_slices,
+    GpuPolicy, KubeLayout, MAX_SIMULATED_GPUS, NodeGpu, Rule, SliceError, SliceOptions,
+    build_slices, consumption_fits, counter_set_name, device_order, parse_gpu_spec, simulated_gpus,
+    simulated_node, summarize, validate_slices,
 };
 use carve_model::{DeviceName, GpuSpec, MODELS, PhysicalGpu};
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
@@ -781,6 +781,27 @@ fn gpu_lists_parse_and_simulated_gpus_are_stable() {
         assert!(
             matches!(parse_gpu_spec(bad), Err(SliceError::GpuListSyntax { .. })),
             "{bad:?}"
+        );
+    }
+    // At most MAX_SIMULATED_GPUS in all, models summed; the error names the
+    // list, the total and the limit.
+    assert_eq!(MAX_SIMULATED_GPUS, 64);
+    assert_eq!(parse_gpu_spec("h100:32,a100:32").unwrap().len(), 2);
+    for (bad, total) in [
+        ("h100:65", 65),
+        ("h100:32,a100:33", 65),
+        ("h100:100000", 100_000),
+        ("h100:4294967295,l4:4294967295", 2 * u64::from(u32::MAX)),
+    ] {
+        let e = parse_gpu_spec(bad).unwrap_err();
+        assert!(
+            matches!(&e, SliceError::TooManyGpus { input, total: t, max: 64 } if input == bad && *t == total),
+            "{bad}: {e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(bad) && text.contains(&total.to_string()) && text.contains("64"),
+            "{text}"
         );
     }
     let e = parse_gpu_spec("v100:2").unwrap_err();

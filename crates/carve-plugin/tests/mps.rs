@@ -529,6 +529,20 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
             uid: "u-noshare".into(),
         }
     };
+    let neg_mem = put_mps(
+        &api,
+        "negmem",
+        "u-negmem",
+        &[("gpu-0-mps", "s5", Some(("-10Gi", "4")))],
+        Some(POD_A),
+    );
+    let neg_sm = put_mps(
+        &api,
+        "negsm",
+        "u-negsm",
+        &[("gpu-0-mps", "s6", Some(("4Gi", "-5")))],
+        Some(POD_A),
+    );
     let good = put_mps(
         &api,
         "good",
@@ -536,7 +550,20 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
         &[("gpu-1-mps", "s4", Some(("1Gi", "2")))],
         Some(POD_A),
     );
-    let out = driver.prepare(vec![no_cap, beyond, no_share, good]).await;
+    let out = driver
+        .prepare(vec![no_cap, beyond, no_share, neg_mem, neg_sm, good])
+        .await;
+    // A negative consumed quantity is the claim's error, naming it and its value.
+    let e = claim_error(&out, "u-negmem");
+    assert!(
+        e.contains("gpu-0-mps") && e.contains("consumedCapacity \"memory\" = -10Gi is negative"),
+        "{e}"
+    );
+    let e = claim_error(&out, "u-negsm");
+    assert!(
+        e.contains("consumedCapacity \"multiprocessors\" = -5 is negative"),
+        "{e}"
+    );
     assert!(
         claim_error(&out, "u-nocap").contains("no consumedCapacity"),
         "{}",
@@ -557,6 +584,10 @@ async fn bad_mps_allocations_fail_alone_and_leave_no_daemon() {
     let log = fake_log(&node, "gpu-1-mps");
     assert!(log.contains(&ns("u-good", "s4")), "{log}");
     assert!(!log.contains(&ns("u-beyond", "s2")), "{log}");
+    assert!(
+        !log.contains("u-negmem") && !log.contains("u-negsm"),
+        "{log}"
+    );
     let snap = driver.snapshot().await;
     assert_eq!(snap.claims.keys().collect::<Vec<_>>(), ["u-good"]);
 

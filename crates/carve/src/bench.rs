@@ -99,8 +99,8 @@ pub struct PrepareBench {
     /// and driven through the plugin process for its RSS.
     #[arg(long, default_value_t = 1000)]
     pub iterations: u32,
-    /// Simulated GPUs on the node.
-    #[arg(long, default_value_t = 8)]
+    /// Simulated GPUs on the node (1 to 64, carve_model::slices::MAX_SIMULATED_GPUS).
+    #[arg(long, default_value_t = 8, value_parser = crate::parse_gpu_count)]
     pub gpus: u32,
     /// Claims prepared at once in the throughput run (at most one per
     /// smallest-profile placement of the node: 56 on 8 H100s).
@@ -148,8 +148,8 @@ pub struct SlicesBench {
     /// GPU model of the node.
     #[arg(long, default_value = "h200-141gb")]
     model: String,
-    /// GPUs on the node.
-    #[arg(long, default_value_t = 8)]
+    /// GPUs on the node (1 to 64, carve_model::slices::MAX_SIMULATED_GPUS).
+    #[arg(long, default_value_t = 8, value_parser = crate::parse_gpu_count)]
     gpus: u32,
     /// Timed rounds.
     #[arg(long, default_value_t = 1000)]

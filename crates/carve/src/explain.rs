@@ -20,7 +20,7 @@ pub struct ExplainArgs {
     #[arg(long, conflicts_with = "simulate_gpus")]
     pub slices: Option<PathBuf>,
     /// Explain against an empty simulated node with these GPUs (`model:count,...`).
-    #[arg(long, default_value = "h100-80gb:2")]
+    #[arg(long, default_value = "h100-80gb:2", value_parser = crate::parse_gpus_flag)]
     pub simulate_gpus: String,
     /// Node name (defaults to the node of the first slice).
     #[arg(long)]

@@ -10,6 +10,7 @@ mod plugin;
 mod render;
 mod simulate;
 mod slices;
+mod yaml;
 
 use std::process::ExitCode;
 
@@ -187,15 +188,51 @@ struct ApiserverArgs {
     kube_version: carve_apiserver::KubeVersion,
 }
 
-/// Parse `1.35` (or `v1.35`, `1.35.2`) into a version.
+/// Parse `1.35` (or `v1.35`, `1.35.2`) into a version carve models
+/// ([`carve_model::slices::KubeVersion::MODELLED`]); the error lists them.
+/// The message leaves the value out: clap's error already names it.
 pub(crate) fn parse_kube_version(s: &str) -> Result<carve_apiserver::KubeVersion, String> {
+    use carve_model::slices::KubeVersion as Modelled;
     let t = s.trim_start_matches('v');
     let mut it = t.split('.');
     let major = it.next().and_then(|m| m.parse().ok());
     let minor = it.next().and_then(|m| m.parse().ok());
     match (major, minor) {
-        (Some(major), Some(minor)) => Ok(carve_apiserver::KubeVersion { major, minor }),
-        _ => Err(format!("{s:?} is not a Kubernetes version like 1.35")),
+        (Some(major), Some(minor)) if Modelled::new(major, minor).is_modelled() => {
+            Ok(carve_apiserver::KubeVersion { major, minor })
+        }
+        (Some(_), Some(_)) => Err(format!(
+            "carve models Kubernetes {} only",
+            Modelled::modelled_list()
+        )),
+        _ => Err(format!(
+            "not a Kubernetes version like 1.35 (carve models {})",
+            Modelled::modelled_list()
+        )),
+    }
+}
+
+/// Check a `--gpus` / `--simulate-gpus` list (`model:count[,model:count]`,
+/// at most [`carve_model::slices::MAX_SIMULATED_GPUS`] GPUs) while the flags
+/// are parsed, so that a bad list is a usage error (exit status 2) before
+/// anything starts; the list stays text for the commands that read it.
+pub(crate) fn parse_gpus_flag(s: &str) -> Result<String, String> {
+    match carve_model::slices::parse_gpu_spec(s) {
+        Ok(_) => Ok(s.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Check a bare GPU count (`carve bench ... --gpus N`): 1 to
+/// [`carve_model::slices::MAX_SIMULATED_GPUS`].
+pub(crate) fn parse_gpu_count(s: &str) -> Result<u32, String> {
+    let max = carve_model::slices::MAX_SIMULATED_GPUS;
+    match s.trim().parse::<u64>() {
+        Ok(n) if (1..=u64::from(max)).contains(&n) => Ok(u32::try_from(n).unwrap_or(max)),
+        Ok(n) => Err(format!(
+            "{n} GPUs: a simulated node has 1 to {max} (a real node has at most 16)"
+        )),
+        Err(e) => Err(format!("not a GPU count: {e}")),
     }
 }
 
@@ -430,4 +467,52 @@ fn models_table() -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_modelled_kube_versions_parse() {
+        for (text, minor) in [("1.34", 34), ("v1.35", 35), ("1.36.2", 36)] {
+            let v = parse_kube_version(text).unwrap();
+            assert_eq!((v.major, v.minor), (1, minor), "{text}");
+        }
+        for text in ["2.0", "1.33", "1.37", "1.20", "0.35"] {
+            let e = parse_kube_version(text).unwrap_err();
+            assert_eq!(e, "carve models Kubernetes 1.34, 1.35, 1.36 only", "{text}");
+        }
+        for text in ["", "1", "one.35", "1.x"] {
+            let e = parse_kube_version(text).unwrap_err();
+            assert!(
+                e.starts_with("not a Kubernetes version like 1.35"),
+                "{text}: {e}"
+            );
+            assert!(e.contains("1.34, 1.35, 1.36"), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_gpu_list_is_checked_with_its_limit() {
+        assert_eq!(parse_gpus_flag("h100:64").unwrap(), "h100:64");
+        let e = parse_gpus_flag("h100:65").unwrap_err();
+        assert!(e.contains("65 GPUs") && e.contains("64"), "{e}");
+        assert_eq!(parse_gpu_count("64"), Ok(64));
+        assert_eq!(parse_gpu_count("1"), Ok(1));
+        for bad in ["0", "65", "100000", "99999999999999"] {
+            let e = parse_gpu_count(bad).unwrap_err();
+            assert!(
+                e.starts_with(&format!("{bad} GPUs: ")) && e.contains("1 to 64"),
+                "{e}"
+            );
+        }
+        assert!(
+            parse_gpu_count("x")
+                .unwrap_err()
+                .starts_with("not a GPU count")
+        );
+        let e = parse_gpus_flag("v100:1").unwrap_err();
+        assert!(e.contains("unknown GPU model \"v100\""), "{e}");
+    }
 }

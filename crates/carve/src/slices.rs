@@ -60,7 +60,7 @@ pub enum AmpereMig {
 #[derive(Debug, clap::Args)]
 pub struct SlicesArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
-    #[arg(long, default_value = "h100-80gb:8")]
+    #[arg(long, default_value = "h100-80gb:8", value_parser = crate::parse_gpus_flag)]
     pub gpus: String,
     /// The flag that gave `gpus`, for errors (`--simulate-gpus` in `explain`).
     #[arg(skip = "--gpus")]
@@ -191,7 +191,7 @@ pub fn run(args: &SlicesArgs) -> anyhow::Result<String> {
             let mut out = String::new();
             for s in &built {
                 out.push_str("---\n");
-                out.push_str(&serde_yaml::to_string(s)?);
+                out.push_str(&crate::yaml::to_string(s)?);
             }
             out
         }

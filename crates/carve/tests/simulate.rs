@@ -478,7 +478,8 @@ fn a_bad_gpu_list_is_named_and_nothing_starts() {
     let tmp = tempfile::tempdir().unwrap();
     let o = carve(&["simulate", "--gpus", "v100:2"], tmp.path());
     let (out, err) = text(&o);
-    assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
+    // A usage error of the flag.
+    assert_eq!(o.status.code(), Some(2), "stdout:\n{out}\nstderr:\n{err}");
     assert!(err.contains("--gpus") && err.contains("v100"), "{err}");
     assert!(err.contains("h100-80gb"), "known models listed: {err}");
     assert!(out.is_empty(), "{out}");

@@ -141,9 +141,10 @@ fn json_is_printed_when_the_claim_fits_too() {
 #[test]
 fn a_bad_simulated_node_names_the_flag_the_user_gave() {
     let r = carve(&["explain", &example("mig-1g"), "--simulate-gpus", "h999:1"]);
-    assert_ne!(r.code, 0);
+    assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
-        r.stderr.contains("--simulate-gpus \"h999:1\""),
+        r.stderr
+            .contains("invalid value 'h999:1' for '--simulate-gpus <SIMULATE_GPUS>'"),
         "{}",
         r.stderr
     );
@@ -421,11 +422,157 @@ fn an_unknown_model_or_version_is_named_once() {
         "{line}"
     );
     assert_eq!(times(line, "v100"), 1, "{line}");
+    // A version carve does not model is a usage error of the flag (clap's
+    // `error:` line), the value named once.
     let r = carve(&["simulate", "--kube-version", "1.20"]);
-    assert_eq!(r.code, 1, "{}", r.stderr);
-    let line = error_line(&r);
-    assert!(line.starts_with("carve: --kube-version: "), "{line}");
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    let line = usage_error_line(&r);
+    assert!(line.contains("'--kube-version <KUBE_VERSION>'"), "{line}");
     assert_eq!(times(line, "1.20"), 1, "{line}");
+}
+
+/// The `error:` line clap prints for a bad flag value.
+fn usage_error_line(r: &Run) -> &str {
+    r.stderr
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no usage error line:\n{}", r.stderr))
+}
+
+/// `carve ARGS`, killed after `secs` seconds (`None` then): for commands
+/// that, given the input the test gives them, ran until killed before.
+fn carve_within(args: &[&str], secs: u64) -> Option<Run> {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("out"), dir.path().join("err"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_carve"))
+        .args(args)
+        .env("TMPDIR", dir.path())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    Some(Run {
+        code: status.code().unwrap_or(-1),
+        stdout: std::fs::read_to_string(&out).unwrap(),
+        stderr: std::fs::read_to_string(&err).unwrap(),
+    })
+}
+
+#[test]
+fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
+    // Before, `2.0` was taken as a layout after 1.35 and `apiserver` served it.
+    let claim = example("mig-1g");
+    for args in [
+        vec!["simulate", "--kube-version", "2.0"],
+        vec!["slices", "--kube-version", "2.0"],
+        vec![
+            "bench",
+            "slices",
+            "--iterations",
+            "1",
+            "--kube-version",
+            "2.0",
+        ],
+        vec![
+            "apiserver",
+            "--addr",
+            "127.0.0.1:0",
+            "--kube-version",
+            "2.0",
+        ],
+        vec!["slices", "--kube-version", "1.37"],
+        vec!["slices", "--kube-version", "1.33"],
+    ] {
+        let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
+        assert!(r.stdout.is_empty(), "{args:?}: {}", r.stdout);
+        let line = usage_error_line(&r);
+        assert!(line.contains("'--kube-version <KUBE_VERSION>'"), "{line}");
+        assert!(
+            line.ends_with("carve models Kubernetes 1.34, 1.35, 1.36 only"),
+            "{line}"
+        );
+    }
+    // The modelled ones still work.
+    for v in ["1.34", "1.35", "1.36"] {
+        let r = carve(&[
+            "slices",
+            "--gpus",
+            "l4:1",
+            "--kube-version",
+            v,
+            "-o",
+            "json",
+        ]);
+        assert_eq!(r.code, 0, "{v}: {}", r.stderr);
+    }
+    let r = carve(&["explain", &claim, "--simulate-gpus", "h100:1"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+#[test]
+fn every_gpus_flag_refuses_more_gpus_than_a_node_may_have() {
+    // Before, `simulate --gpus h100:100000` ran until killed and `slices`
+    // printed slices for them. Just past the limit here, so that a binary
+    // without the limit finishes (and fails the test) instead of taking the
+    // machine's memory.
+    let claim = example("mig-1g");
+    for (args, flag, total) in [
+        (
+            vec!["simulate", "--gpus", "h100:40,a100:25"],
+            "--gpus <GPUS>",
+            "65",
+        ),
+        (
+            vec!["slices", "--gpus", "h100:60,l4:5"],
+            "--gpus <GPUS>",
+            "65",
+        ),
+        (
+            vec!["explain", claim.as_str(), "--simulate-gpus", "h100:65"],
+            "--simulate-gpus <SIMULATE_GPUS>",
+            "65",
+        ),
+    ] {
+        let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
+        assert!(r.stdout.is_empty(), "{args:?}: {}", r.stdout);
+        let line = usage_error_line(&r);
+        assert!(line.contains(&format!("'{flag}'")), "{line}");
+        assert!(
+            line.contains(&format!(
+                "{total} GPUs on one node, more than the 64 a simulated node may have"
+            )),
+            "{line}"
+        );
+    }
+    for args in [
+        vec!["bench", "slices", "--iterations", "1", "--gpus", "65"],
+        vec!["bench", "prepare", "--iterations", "1", "--gpus", "65"],
+    ] {
+        let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
+        let line = usage_error_line(&r);
+        assert!(
+            line.contains("'--gpus <GPUS>'") && line.contains("1 to 64"),
+            "{line}"
+        );
+    }
+    // 64 is allowed.
+    let r = carve(&["slices", "--gpus", "l4:64", "-o", "table"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
 }
 
 #[test]
@@ -458,4 +605,145 @@ fn a_bad_claim_given_to_simulate_is_named_once_with_its_file() {
             big.display()
         )
     );
+}
+
+/// The documents of `yaml` as PyYAML (a YAML 1.1 reader) reads them, as JSON.
+fn pyyaml_as_json(yaml: &str) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(dir.path(), "out.yaml", yaml);
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import json, sys, yaml\nprint(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))",
+        ])
+        .arg(&p)
+        .output()
+        .expect("python3 (with PyYAML) runs");
+    assert!(
+        out.status.success(),
+        "python3 with PyYAML is needed here (pip install pyyaml): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Where `got` and `want` first differ, as `path: got != want`.
+fn first_difference(
+    got: &serde_json::Value,
+    want: &serde_json::Value,
+    path: &str,
+) -> Option<String> {
+    use serde_json::Value;
+    match (got, want) {
+        (Value::Object(g), Value::Object(w)) if g.len() == w.len() => {
+            w.iter().find_map(|(k, wv)| match g.get(k) {
+                Some(gv) => first_difference(gv, wv, &format!("{path}.{k}")),
+                None => Some(format!("{path}.{k}: missing")),
+            })
+        }
+        (Value::Array(g), Value::Array(w)) if g.len() == w.len() => g
+            .iter()
+            .zip(w)
+            .enumerate()
+            .find_map(|(i, (gv, wv))| first_difference(gv, wv, &format!("{path}[{i}]"))),
+        _ if got == want => None,
+        _ => Some(format!("{path}: {got} != {want}")),
+    }
+}
+
+#[test]
+fn slices_yaml_reads_the_same_in_a_yaml_1_1_reader_as_the_json() {
+    // Before, `string: 0000:18:00.0` came out unquoted and PyYAML read the
+    // PCI bus ID as the base-60 number 1080.0.
+    for gpus in ["h100-80gb:2,a100-40gb:1,l4:1", "h200:8", "a30:2,b200:1"] {
+        for extra in [&[][..], &["--sharing", "mps,timeslice"][..]] {
+            let mut args = vec!["slices", "--gpus", gpus];
+            args.extend_from_slice(extra);
+            let yaml = carve(&[&args[..], &["-o", "yaml"]].concat());
+            assert_eq!(yaml.code, 0, "{}", yaml.stderr);
+            let json = carve(&[&args[..], &["-o", "json"]].concat());
+            assert_eq!(json.code, 0, "{}", json.stderr);
+            let want: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+            let got = pyyaml_as_json(&yaml.stdout);
+            assert_eq!(first_difference(&got, &want, ""), None, "{args:?}");
+            assert!(yaml.stdout.contains("string: '0000:"), "{}", yaml.stdout);
+        }
+    }
+}
+
+/// An MPS share claim asking for `memory` and `multiprocessors`.
+fn share_claim(name: &str, memory: &str, sms: &str) -> String {
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: mps.gpu.carve.dev\n        capacity:\n          requests:\n            memory: {memory}\n            multiprocessors: \"{sms}\"\n"
+    )
+}
+
+#[test]
+fn a_negative_capacity_request_is_refused_naming_the_request_and_value() {
+    // Before, `memory: -10Gi` was rounded up to the policy's minimum and the
+    // share prepared with 1 GiB and 2 SMs.
+    let dir = tempfile::tempdir().unwrap();
+    for (name, memory, sms, field, value) in [
+        ("neg-mem", "-10Gi", "4", "memory", "-10Gi"),
+        ("neg-sms", "4Gi", "-5", "multiprocessors", "-5"),
+    ] {
+        let claims = dir.path().join(name);
+        std::fs::create_dir(&claims).unwrap();
+        let file = write(&claims, "claim.yaml", &share_claim(name, memory, sms));
+        let want = format!(
+            "spec.devices.requests[0].capacity.requests.{field}: negative requested quantity \"{value}\": must be 0 or more"
+        );
+        let r = carve(&[
+            "explain",
+            file.to_str().unwrap(),
+            "--simulate-gpus",
+            "h100:1",
+        ]);
+        assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+        assert!(r.stdout.is_empty(), "{}", r.stdout);
+        let line = error_line(&r);
+        assert!(line.contains(&want), "{line}");
+        assert!(line.contains(name), "{line}");
+
+        let r = carve(&[
+            "simulate",
+            "--gpus",
+            "h100:1",
+            "--claims",
+            claims.to_str().unwrap(),
+        ]);
+        assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+        let all = format!("{}{}", r.stdout, r.stderr);
+        assert!(all.contains(&want), "{all}");
+        assert!(
+            all.contains("nothing to release"),
+            "nothing prepared: {all}"
+        );
+    }
+}
+
+#[test]
+fn simulate_takes_a_claims_file_as_well_as_a_directory() {
+    // Before, a file was refused with "Not a directory".
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "shares.yaml",
+        &format!(
+            "{}---\n{}",
+            share_claim("share-a", "4Gi", "8"),
+            share_claim("share-b", "2Gi", "4")
+        ),
+    );
+    let r = carve(&[
+        "simulate",
+        "--gpus",
+        "h100:1",
+        "--claims",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    for name in ["share-a", "share-b"] {
+        assert!(r.stdout.contains(name), "{name}: {}", r.stdout);
+    }
 }

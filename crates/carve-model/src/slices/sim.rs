@@ -9,13 +9,33 @@ fn known() -> String {
     GpuModel::keys().join(", ")
 }
 
+/// The most GPUs a simulated node may have, all models together. A real
+/// node has at most 16; the slices (and the simulated plugin's work) grow
+/// with the GPU count, so a typo like `h100:100000` is refused instead of
+/// running until it is killed.
+pub const MAX_SIMULATED_GPUS: u32 = 64;
+
 /// Parse `model:count[,model:count...]` (a bare `model` means one GPU) into
 /// canonical model keys and counts.
 ///
 /// # Errors
 /// [`SliceError::GpuListSyntax`] for bad syntax or a zero count,
-/// [`SliceError::UnknownModel`] listing the known models.
+/// [`SliceError::UnknownModel`] listing the known models,
+/// [`SliceError::TooManyGpus`] beyond [`MAX_SIMULATED_GPUS`] in all.
 pub fn parse_gpu_spec(s: &str) -> Result<Vec<(String, u32)>, SliceError> {
+    let gpus = parse_gpu_items(s)?;
+    let total: u64 = gpus.iter().map(|(_, n)| u64::from(*n)).sum();
+    if total > u64::from(MAX_SIMULATED_GPUS) {
+        return Err(SliceError::TooManyGpus {
+            input: s.to_string(),
+            total,
+            max: MAX_SIMULATED_GPUS,
+        });
+    }
+    Ok(gpus)
+}
+
+fn parse_gpu_items(s: &str) -> Result<Vec<(String, u32)>, SliceError> {
     let syntax = |why: String| SliceError::GpuListSyntax {
         input: s.to_string(),
         why,

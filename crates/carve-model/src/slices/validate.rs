@@ -106,6 +106,26 @@ impl KubeVersion {
     /// Kubernetes 1.36: list-type attributes (gate DRAListTypeAttributes).
     pub const V1_36: Self = Self::new(1, 36);
 
+    /// The versions whose rules carve models (slice layout, validation,
+    /// feature gates): what a `--kube-version` flag may name.
+    pub const MODELLED: [Self; 3] = [Self::V1_34, Self::V1_35, Self::V1_36];
+
+    /// Whether carve models this version (see [`KubeVersion::MODELLED`]).
+    #[must_use]
+    pub fn is_modelled(self) -> bool {
+        Self::MODELLED.contains(&self)
+    }
+
+    /// The modelled versions as `1.34, 1.35, 1.36`, for errors.
+    #[must_use]
+    pub fn modelled_list() -> String {
+        Self::MODELLED
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// `major.minor`.
     #[must_use]
     pub const fn new(major: u32, minor: u32) -> Self {

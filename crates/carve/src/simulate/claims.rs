@@ -38,8 +38,13 @@ pub(super) fn load_claims(dir: Option<&Path>) -> anyhow::Result<ClaimSet> {
                 add_objects(&mut set, &file.display().to_string(), objs)?;
             }
             if set.claims.is_empty() {
+                let looked = if dir.is_dir() {
+                    " (looked in *.yaml and *.yml files and in */claim.yaml and */pod.yaml)"
+                } else {
+                    ""
+                };
                 bail!(
-                    "--claims {}: no ResourceClaim found, nor a ResourceClaimTemplate (looked in *.yaml and *.yml files and in */claim.yaml and */pod.yaml)",
+                    "--claims {}: no ResourceClaim found, nor a ResourceClaimTemplate{looked}",
                     dir.display()
                 );
             }
@@ -49,8 +54,11 @@ pub(super) fn load_claims(dir: Option<&Path>) -> anyhow::Result<ClaimSet> {
 }
 
 /// `dir/*.yaml`, `dir/*.yml`, `dir/*/claim.yaml` and `dir/*/pod.yaml`, in
-/// name order.
+/// name order; `dir` itself where it is a file (of one or more documents).
 pub(super) fn claim_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+        return Ok(vec![dir.to_path_buf()]);
+    }
     let rd = std::fs::read_dir(dir)
         .with_context(|| format!("--claims {}: cannot read the directory", dir.display()))?;
     let mut entries = Vec::new();

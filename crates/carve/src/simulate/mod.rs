@@ -137,7 +137,7 @@ pub struct SimulateArgs {
     /// published as a whole GPU only. The default has room for every example: the
     /// MIG ones and the MIG-MPS share on the H100s, the whole GPU, the MPS shares
     /// and the time-sliced GPU on one A100 each.
-    #[arg(long, default_value = "h100-80gb:2,a100-40gb:3")]
+    #[arg(long, default_value = "h100-80gb:2,a100-40gb:3", value_parser = crate::parse_gpus_flag)]
     pub gpus: String,
     /// Shared devices the plugin publishes besides MIG partitions and whole GPUs
     /// (its `--sharing`): `mps` (MPS shares of a whole GPU), `mig-mps` (of a MIG
@@ -156,9 +156,9 @@ pub struct SimulateArgs {
     /// client variables; `auto` takes the strongest.
     #[arg(long, value_enum, default_value = "auto")]
     pub mps_protocol: MpsProtocol,
-    /// Claims to apply instead of the built-in examples: a directory of YAML files
-    /// (`*.yaml`, `*.yml`) or of subdirectories holding `claim.yaml` or `pod.yaml`,
-    /// applied in name order. They hold ResourceClaims, or ResourceClaimTemplates
+    /// Claims to apply instead of the built-in examples: a YAML file (one or
+    /// more documents), or a directory of YAML files (`*.yaml`, `*.yml`) or of
+    /// subdirectories holding `claim.yaml` or `pod.yaml`, applied in name order. They hold ResourceClaims, or ResourceClaimTemplates
     /// and the Pods that name them (the claim is then reserved for that pod).
     /// DeviceClasses found there are added to the built-in ones.
     #[arg(long)]
@@ -451,6 +451,28 @@ mod tests {
                 .iter()
                 .any(|c| c.metadata.name.as_deref() == Some("gpu.carve.dev"))
         );
+    }
+
+    #[test]
+    fn a_claims_file_is_read_as_it_is_whatever_its_name() {
+        let d = tempfile::tempdir().unwrap();
+        let f = write(
+            d.path(),
+            "claims.txt",
+            &format!("{}---\n{}", claim("one"), claim("two")),
+        );
+        let set = load_claims(Some(&f)).unwrap();
+        let names: Vec<&str> = set.claims.iter().map(SourcedClaim::name).collect();
+        assert_eq!(names, ["one", "two"]);
+        assert!(set.claims[1].source.ends_with("claims.txt"));
+        let empty = write(
+            d.path(),
+            "none.yaml",
+            "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {name: x.example.com}\nspec: {}\n",
+        );
+        let e = format!("{:#}", load_claims(Some(&empty)).unwrap_err());
+        assert!(e.contains("none.yaml: no ResourceClaim found"), "{e}");
+        assert!(!e.contains("looked in"), "{e}");
     }
 
     const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata: {name: POD}\nspec:\n  containers:\n  - name: c\n    image: i\n    resources: {claims: [{name: gpu}]}\n  resourceClaims:\n  - name: gpu\n    resourceClaimTemplateName: TEMPLATE\n";

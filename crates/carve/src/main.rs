@@ -479,9 +479,12 @@ mod tests {
             let v = parse_kube_version(text).unwrap();
             assert_eq!((v.major, v.minor), (1, minor), "{text}");
         }
-        for text in ["2.0", "1.33", "1.37", "1.20", "0.35"] {
+        for text in ["2.0", "1.33", "1.38", "1.20", "0.35"] {
             let e = parse_kube_version(text).unwrap_err();
-            assert_eq!(e, "carve models Kubernetes 1.34, 1.35, 1.36 only", "{text}");
+            assert_eq!(
+                e, "carve models Kubernetes 1.34, 1.35, 1.36, 1.37 only",
+                "{text}"
+            );
         }
         for text in ["", "1", "one.35", "1.x"] {
             let e = parse_kube_version(text).unwrap_err();
@@ -489,7 +492,7 @@ mod tests {
                 e.starts_with("not a Kubernetes version like 1.35"),
                 "{text}: {e}"
             );
-            assert!(e.contains("1.34, 1.35, 1.36"), "{text}: {e}");
+            assert!(e.contains("1.34, 1.35, 1.36, 1.37"), "{text}: {e}");
         }
     }
 

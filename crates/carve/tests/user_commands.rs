@@ -492,7 +492,7 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
             "--kube-version",
             "2.0",
         ],
-        vec!["slices", "--kube-version", "1.37"],
+        vec!["slices", "--kube-version", "1.38"],
         vec!["slices", "--kube-version", "1.33"],
     ] {
         let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));
@@ -501,12 +501,12 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
         let line = usage_error_line(&r);
         assert!(line.contains("'--kube-version <KUBE_VERSION>'"), "{line}");
         assert!(
-            line.ends_with("carve models Kubernetes 1.34, 1.35, 1.36 only"),
+            line.ends_with("carve models Kubernetes 1.34, 1.35, 1.36, 1.37 only"),
             "{line}"
         );
     }
     // The modelled ones still work.
-    for v in ["1.34", "1.35", "1.36"] {
+    for v in ["1.34", "1.35", "1.36", "1.37"] {
         let r = carve(&[
             "slices",
             "--gpus",

@@ -105,10 +105,14 @@ impl KubeVersion {
     pub const V1_35: Self = Self::new(1, 35);
     /// Kubernetes 1.36: list-type attributes (gate DRAListTypeAttributes).
     pub const V1_36: Self = Self::new(1, 36);
+    /// Kubernetes 1.37: the rules of 1.36 (no ResourceSlice rule carve
+    /// meets changed; the real-cluster suite's default release, 1.37.2,
+    /// accepts every slice carve publishes).
+    pub const V1_37: Self = Self::new(1, 37);
 
     /// The versions whose rules carve models (slice layout, validation,
     /// feature gates): what a `--kube-version` flag may name.
-    pub const MODELLED: [Self; 3] = [Self::V1_34, Self::V1_35, Self::V1_36];
+    pub const MODELLED: [Self; 4] = [Self::V1_34, Self::V1_35, Self::V1_36, Self::V1_37];
 
     /// Whether carve models this version (see [`KubeVersion::MODELLED`]).
     #[must_use]
@@ -116,7 +120,7 @@ impl KubeVersion {
         Self::MODELLED.contains(&self)
     }
 
-    /// The modelled versions as `1.34, 1.35, 1.36`, for errors.
+    /// The modelled versions as `1.34, 1.35, 1.36, 1.37`, for errors.
     #[must_use]
     pub fn modelled_list() -> String {
         Self::MODELLED

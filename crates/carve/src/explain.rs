@@ -33,6 +33,136 @@ pub struct ExplainArgs {
     /// reason with device counts per GPU.
     #[arg(long)]
     pub devices: bool,
+    /// The kube-scheduler release the claim will meet (`1.35`, `1.36.1`):
+    /// adds what that release's allocator does differently from carve's
+    /// (upstream bugs fixed in later releases).
+    #[arg(long, value_parser = parse_scheduler_version)]
+    pub scheduler_version: Option<SchedulerVersion>,
+}
+
+/// A kube-scheduler release, `1.<minor>[.<patch>]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerVersion {
+    /// Minor version.
+    pub minor: u32,
+    /// Patch release, when given.
+    pub patch: Option<u32>,
+}
+
+impl std::fmt::Display for SchedulerVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.patch {
+            Some(p) => write!(f, "1.{}.{p}", self.minor),
+            None => write!(f, "1.{}", self.minor),
+        }
+    }
+}
+
+impl SchedulerVersion {
+    /// Whether its allocator subtracts the counters of shared
+    /// (multi-allocatable) devices already allocated: from 1.36.2
+    /// (`k8s.io/dynamic-resource-allocation` `structured`: 1.34.4 through
+    /// 1.36.1 skip every device not in `AllocatedDevices`; 1.36.2 and later
+    /// ask `internal.IsDeviceAllocated`, which counts shared ones too). A
+    /// 1.36 without its patch release is taken to be an early one.
+    fn counts_shared_counters(self) -> bool {
+        self.minor > 36 || (self.minor == 36 && self.patch.is_some_and(|p| p >= 2))
+    }
+
+    /// Whether its allocator enforces `distinctAttribute`: not in 1.34,
+    /// whose `distinctAttributeConstraint` compares the attributes'
+    /// pointers, never their values (fixed in 1.35).
+    fn enforces_distinct_attribute(self) -> bool {
+        self.minor >= 35
+    }
+}
+
+/// `1.35`, `v1.36.1`; a release carve models (1.34 to 1.37).
+fn parse_scheduler_version(s: &str) -> Result<SchedulerVersion, String> {
+    let bad = || {
+        format!(
+            "not a kube-scheduler release like 1.35 or 1.36.1 (carve models {})",
+            carve_model::slices::KubeVersion::modelled_list()
+        )
+    };
+    let t = s.trim().trim_start_matches('v');
+    let parts: Vec<&str> = t.split('.').collect();
+    let num = |i: usize| -> Result<Option<u32>, String> {
+        parts
+            .get(i)
+            .map(|p| p.parse().map_err(|_| bad()))
+            .transpose()
+    };
+    if !(2..=3).contains(&parts.len()) {
+        return Err(bad());
+    }
+    let (major, minor, patch) = (num(0)?, num(1)?, num(2)?);
+    let (Some(major), Some(minor)) = (major, minor) else {
+        return Err(bad());
+    };
+    if !carve_model::slices::KubeVersion::new(major, minor).is_modelled() {
+        return Err(format!(
+            "carve models kube-scheduler {} only",
+            carve_model::slices::KubeVersion::modelled_list()
+        ));
+    }
+    Ok(SchedulerVersion { minor, patch })
+}
+
+/// What the scheduler release `v` does differently from carve's allocator
+/// for this claim on this node: one sentence each.
+fn scheduler_notes(
+    v: SchedulerVersion,
+    inputs: &Inputs,
+    claim: &ResourceClaim,
+    node: &str,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    let distinct = claim
+        .spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.constraints.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.distinct_attribute.clone())
+        .collect::<Vec<_>>();
+    if !distinct.is_empty() && !v.enforces_distinct_attribute() {
+        notes.push(format!(
+            "kube-scheduler {v} does not enforce distinctAttribute ({}): its allocator compares the attributes' pointers, not their values (fixed in 1.35), so the claim can get devices that share the attribute",
+            distinct.join(", ")
+        ));
+    }
+    if !v.counts_shared_counters() {
+        let shared: std::collections::BTreeSet<(&str, &str)> = inputs
+            .slices
+            .iter()
+            .filter(|s| s.spec.node_name.as_deref() == Some(node))
+            .flat_map(|s| {
+                s.spec.devices.iter().flatten().filter_map(move |d| {
+                    d.allow_multiple_allocations
+                        .unwrap_or(false)
+                        .then_some((s.spec.pool.name.as_str(), d.name.as_str()))
+                })
+            })
+            .collect();
+        let held: std::collections::BTreeSet<&str> = inputs
+            .claims_allocated
+            .iter()
+            .filter_map(|c| c.status.as_ref()?.allocation.as_ref()?.devices.as_ref())
+            .flat_map(|d| d.results.iter().flatten())
+            .filter(|r| r.driver == carve_model::DRIVER_NAME)
+            .filter(|r| shared.contains(&(r.pool.as_str(), r.device.as_str())))
+            .map(|r| r.device.as_str())
+            .collect();
+        if !held.is_empty() {
+            notes.push(format!(
+                "kube-scheduler {v} does not count the counters of shared devices already allocated ({} on this node): it can place this claim over them, which carve's prepare then refuses (fixed in 1.36.2)",
+                held.into_iter().collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+    notes
 }
 
 fn embedded_classes() -> anyhow::Result<Vec<Object>> {
@@ -151,6 +281,16 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     }
     let alloc = Allocator::new(&inputs)?;
     let name = claim.metadata.name.clone().unwrap_or_default();
+    let notes = args
+        .scheduler_version
+        .map(|v| scheduler_notes(v, &inputs, &claim, &node))
+        .unwrap_or_default();
+    let noted = |mut text: String| {
+        for n in &notes {
+            let _ = writeln!(text, "  note: {n}");
+        }
+        text
+    };
     let upstream_refuses = |fits: bool| -> anyhow::Result<bool> {
         Ok(fits && alloc.refused_by_upstream_counter_leak(&claim, &node)?)
     };
@@ -167,6 +307,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
                 "fits": true,
                 "results": results,
                 "refusedByUnfixedScheduler": upstream_refuses(true)?,
+                "schedulerNotes": notes,
             });
             Ok((serde_json::to_string_pretty(&json)? + "\n", true))
         }
@@ -191,7 +332,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
             if upstream_refuses(true)? {
                 out.push_str(UPSTREAM_LEAK_NOTE);
             }
-            Ok((out, true))
+            Ok((noted(out), true))
         }
         Err(carve_alloc::AllocError::Unsatisfiable(expl)) => {
             let text = if args.json {
@@ -199,7 +340,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
             } else if args.devices {
                 format!("{expl:#}")
             } else {
-                expl.to_string()
+                noted(expl.to_string())
             };
             Ok((text, false))
         }
@@ -225,6 +366,7 @@ mod tests {
             node: None,
             json: false,
             devices: false,
+            scheduler_version: None,
         }
     }
 

@@ -395,6 +395,9 @@ pub struct SimNode {
     /// bearer token; when set, the plugin runs without `--kube-api-url`
     /// and `api_url` is unused. `None` by default.
     pub kubeconfig: Option<PathBuf>,
+    /// Flags appended to [`SimNode::plugin_args`] (e.g. `--log-format
+    /// json`). Empty by default.
+    pub extra_args: Vec<String>,
     carve: PathBuf,
     child: Option<Child>,
     starts: u32,
@@ -452,6 +455,7 @@ impl SimNode {
             driver,
             api_url: api_url.into(),
             kubeconfig: None,
+            extra_args: Vec::new(),
             carve,
             child: None,
             starts: 0,
@@ -503,6 +507,7 @@ impl SimNode {
         if self.kubeconfig.is_none() {
             args.extend(["--kube-api-url".into(), self.api_url.clone()]);
         }
+        args.extend(self.extra_args.iter().cloned());
         args
     }
 
@@ -599,6 +604,28 @@ impl SimNode {
             }
             tokio::time::sleep(POLL).await;
         }
+    }
+
+    /// Stops the plugin as the kubelet's container runtime does (SIGTERM)
+    /// and waits until it exits.
+    ///
+    /// # Errors
+    /// No plugin is running, signalling fails, or [`E2eError::Timeout`].
+    pub async fn terminate(&mut self) -> Result<ExitStatus, E2eError> {
+        let c = self.child.as_ref().ok_or_else(|| E2eError::Missing {
+            what: "plugin process",
+            path: self.carve.clone(),
+            hint: "start_plugin first".into(),
+        })?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(c.id()).unwrap_or(i32::MAX));
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).map_err(|e| {
+            E2eError::Io {
+                what: "sending SIGTERM to",
+                path: self.carve.clone(),
+                source: e.into(),
+            }
+        })?;
+        self.wait_exit("the plugin to stop after SIGTERM").await
     }
 
     /// `kill -9` the plugin and reap it.

@@ -10,10 +10,12 @@ use carve_e2e::{SimNode, carve_binary, wait_for};
 use carve_plugin::testing::FakeKubelet;
 use nvidia_ml_sim::GpuEntry;
 
-/// The metrics address the plugin printed (`… (metrics on 127.0.0.1:N)`).
+/// The metrics address the plugin logged (`serving the kubelet …
+/// metrics_addr=127.0.0.1:N`).
 fn metrics_addr(log: &str) -> Option<SocketAddr> {
-    let rest = log.split("(metrics on ").nth(1)?;
-    rest.split(')').next()?.parse().ok()
+    let line = log.lines().find(|l| l.contains("serving the kubelet"))?;
+    let rest = line.split("metrics_addr=").nth(1)?;
+    rest.split_whitespace().next()?.parse().ok()
 }
 
 /// `GET path`: the status code and body.

@@ -101,6 +101,34 @@ pub struct Changes {
     pub relisted: bool,
 }
 
+impl Changes {
+    /// Whether someone other than the publisher created, changed or deleted
+    /// one of the slices. A (re-)list alone is not: on every start the
+    /// watch's first list sees the slices the publisher has just written, so
+    /// it says nothing about anyone else.
+    #[must_use]
+    pub fn by_someone_else(&self) -> bool {
+        !self.applied.is_empty() || !self.deleted.is_empty()
+    }
+
+    /// The report's log line: a warning naming the slices when someone else
+    /// changed them, a debug line when the watch only listed them again.
+    fn log(&self, node: &str) {
+        if self.by_someone_else() {
+            tracing::warn!(
+                node = %node,
+                applied = ?self.applied, deleted = ?self.deleted, relisted = self.relisted,
+                "ResourceSlices changed behind the publisher's back"
+            );
+        } else if self.relisted {
+            tracing::debug!(
+                node = %node,
+                "ResourceSlices listed by the watch; checking them against the published set"
+            );
+        }
+    }
+}
+
 /// How [`SliceWatch`] batches and paces what it reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WatchPacing {
@@ -196,11 +224,7 @@ impl SliceWatch {
                 _ = self.note_next(&mut changes) => {}
             }
         }
-        tracing::info!(
-            node = %self.node_name,
-            applied = ?changes.applied, deleted = ?changes.deleted, relisted = changes.relisted,
-            "ResourceSlices changed behind the publisher's back"
-        );
+        changes.log(&self.node_name);
         changes
     }
 

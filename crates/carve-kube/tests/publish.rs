@@ -775,3 +775,70 @@ async fn the_watch_ignores_other_nodes_and_drivers() {
         .unwrap();
     assert_eq!(seen.applied, ["mine"]);
 }
+
+/// The log lines written through `tracing` while the returned guard lives
+/// (this thread only: the tests run on a current-thread runtime).
+fn capture_logs() -> (
+    std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    tracing::subscriber::DefaultGuard,
+) {
+    #[derive(Clone)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf(std::sync::Arc::default());
+    let out = buf.0.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(move || buf.clone())
+        .finish();
+    (out, tracing::subscriber::set_default(sub))
+}
+
+/// A clean start (publish, then watch) is no change behind the publisher's
+/// back: the watch's first list is reported (what happened before it is
+/// unknown, so the caller syncs) but not logged as someone else's change;
+/// a slice someone else deletes is, as a warning naming it.
+#[tokio::test]
+async fn a_clean_start_logs_no_change_behind_the_publishers_back() {
+    const WARNING: &str = "ResourceSlices changed behind the publisher's back";
+    let (logs, _guard) = capture_logs();
+    let text = || String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let server = server().await;
+    let desired = three_slices();
+    let mut p = publisher(&server);
+    assert_eq!(p.sync(&desired).await.unwrap().created, 3);
+    let mut watch = p.watch();
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("the watch's first list is reported");
+    assert!(
+        first.relisted && first.applied.is_empty() && first.deleted.is_empty(),
+        "{first:?}"
+    );
+    let _ = p.sync(&desired).await.unwrap();
+    assert!(!text().contains(WARNING), "on a clean start:\n{}", text());
+
+    other_client(&server)
+        .delete("s2", &Default::default())
+        .await
+        .unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("the deletion is reported");
+    assert_eq!(seen.deleted, ["s2"], "{seen:?}");
+    let logged = text();
+    let line = logged
+        .lines()
+        .find(|l| l.contains(WARNING))
+        .unwrap_or_else(|| panic!("no warning for a deleted slice:\n{logged}"));
+    assert!(line.contains("WARN") && line.contains("s2"), "{line}");
+}

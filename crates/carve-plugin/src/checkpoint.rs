@@ -126,6 +126,19 @@ pub struct ClaimRecord {
     pub devices: Vec<DeviceRecord>,
 }
 
+impl ClaimRecord {
+    /// The claim this record is of (namespace, name and UID), as log lines
+    /// and errors name it.
+    #[must_use]
+    pub fn claim_ref(&self) -> crate::claim::ClaimRef {
+        crate::claim::ClaimRef {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            uid: self.uid.clone(),
+        }
+    }
+}
+
 /// One prepared (or planned) device of a claim.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

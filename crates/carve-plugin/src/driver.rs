@@ -129,7 +129,10 @@ enum ClaimOp {
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    tokio::task::spawn_blocking(f)
+    // The caller's span (the claim a prepare or unprepare is of) goes along,
+    // so that what NVML and MPS log on the blocking thread names the claim.
+    let span = tracing::Span::current();
+    tokio::task::spawn_blocking(move || span.in_scope(f))
         .await
         .map_err(|e| e.to_string())
 }

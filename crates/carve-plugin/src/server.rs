@@ -97,8 +97,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), PluginError> {
     let driver = Arc::new(Driver::new(config, backend, client).await?);
-    let report = driver.recover().await?;
-    tracing::info!(?report, "recovered");
+    // Recovery logs its own summary.
+    driver.recover().await?;
     Ok(serve(driver, shutdown).await?.wait().await?)
 }
 

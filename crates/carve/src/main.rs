@@ -16,11 +16,27 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// The environment variables logging reads, for the help texts.
+const LOG_ENV_HELP: &str = "\
+Logging (to stderr):
+  CARVE_LOG         Which log lines to write; wins over RUST_LOG. tracing-subscriber's
+                    EnvFilter syntax, e.g. `info` or `warn,carve_kube=debug`.
+  RUST_LOG          The same as CARVE_LOG, read when CARVE_LOG is unset.
+                    Neither set: `warn` (warnings and errors only). The plugin's start-up
+                    line (version and settings) and its prepare/unprepare lines are `info`.
+  CARVE_LOG_FORMAT  `text` or `json` (one JSON object per line), as --log-format.";
+
 /// carve: a Kubernetes DRA driver that carves NVIDIA GPUs into MIG partitions on demand.
 #[derive(Debug, Parser)]
-#[command(name = "carve", version, about, propagate_version = true)]
+#[command(
+    name = "carve",
+    version,
+    about,
+    propagate_version = true,
+    after_help = LOG_ENV_HELP
+)]
 struct Cli {
-    /// Log format.
+    /// Log format: `text`, or `json` (one JSON object per line, for log collectors).
     #[arg(
         long,
         global = true,
@@ -39,10 +55,21 @@ enum LogFormat {
     Json,
 }
 
+impl LogFormat {
+    /// The flag's value.
+    fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// The kubelet plugin (node agent): publish the node's GPUs, prepare and
     /// unprepare claims.
+    #[command(after_help = LOG_ENV_HELP)]
     KubeletPlugin(Box<plugin::PluginArgs>),
     /// The main job: a simulated GPU node with the real kubelet plugin, the example
     /// claims allocated, prepared and released, and a picture of the GPUs.
@@ -264,17 +291,41 @@ struct AdviseArgs {
     bursty: bool,
 }
 
+/// The log filter: `CARVE_LOG`, else `RUST_LOG`, else `default`; and what
+/// was wrong with a variable that is set but does not parse (it is skipped).
+fn log_filter(
+    var: impl Fn(&str) -> Option<String>,
+    default: &str,
+) -> (tracing_subscriber::EnvFilter, Vec<String>) {
+    let mut unusable = Vec::new();
+    for name in ["CARVE_LOG", "RUST_LOG"] {
+        let Some(value) = var(name).filter(|v| !v.trim().is_empty()) else {
+            continue;
+        };
+        match tracing_subscriber::EnvFilter::builder().parse(&value) {
+            Ok(f) => return (f, unusable),
+            Err(e) => unusable.push(format!("{name}={value:?} is not a log filter ({e})")),
+        }
+    }
+    (tracing_subscriber::EnvFilter::new(default), unusable)
+}
+
+/// The filter when neither `CARVE_LOG` nor `RUST_LOG` is set: warnings and
+/// errors only (the chart sets `RUST_LOG=info` for the plugin).
+const DEFAULT_LOG_FILTER: &str = "warn";
+
 fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("CARVE_LOG")
-        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let (filter, unusable) = log_filter(|n| std::env::var(n).ok(), DEFAULT_LOG_FILTER);
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(carve_metrics::ansi_colours())
+        .with_ansi(carve_metrics::ansi_colours() && matches!(format, LogFormat::Text))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => b.init(),
         LogFormat::Json => b.json().init(),
+    }
+    for u in unusable {
+        tracing::warn!("{u}; ignored");
     }
 }
 
@@ -303,11 +354,17 @@ fn main() -> ExitCode {
         return carve_mps::fake::run(&args);
     }
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
-    match run(cli.command) {
+    let format = cli.log_format;
+    init_tracing(format);
+    match run(cli.command, format) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("carve: {}", error_text(&e));
+            let text = error_text(&e);
+            match format {
+                LogFormat::Text => eprintln!("carve: {text}"),
+                // Every line in the chosen format, the last one too.
+                LogFormat::Json => tracing::error!(error = %text, "carve: exiting on an error"),
+            }
             ExitCode::FAILURE
         }
     }
@@ -333,7 +390,7 @@ fn error_text(e: &anyhow::Error) -> String {
     out
 }
 
-fn run(cmd: Command) -> anyhow::Result<ExitCode> {
+fn run(cmd: Command, log_format: LogFormat) -> anyhow::Result<ExitCode> {
     match cmd {
         Command::Models => {
             print!("{}", models_table());
@@ -341,7 +398,7 @@ fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Simulate(a) => simulate::run(&a),
         Command::KubeletPlugin(a) => {
-            plugin::run(*a)?;
+            plugin::run(*a, log_format.as_str())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Slices(a) => {
@@ -517,5 +574,28 @@ mod tests {
         );
         let e = parse_gpus_flag("v100:1").unwrap_err();
         assert!(e.contains("unknown GPU model \"v100\""), "{e}");
+    }
+
+    #[test]
+    fn carve_log_wins_then_rust_log_then_the_default_and_bad_values_are_named() {
+        let env = |carve: Option<&'static str>, rust: Option<&'static str>| {
+            move |n: &str| match n {
+                "CARVE_LOG" => carve.map(str::to_owned),
+                "RUST_LOG" => rust.map(str::to_owned),
+                _ => None,
+            }
+        };
+        let (f, bad) = log_filter(env(Some("debug"), Some("warn")), "info");
+        assert_eq!((f.to_string(), bad.len()), ("debug".into(), 0));
+        let (f, _) = log_filter(env(Some(" "), Some("warn")), "info");
+        assert_eq!(f.to_string(), "warn");
+        let (f, _) = log_filter(env(None, None), "info");
+        assert_eq!(f.to_string(), "info");
+        let (f, bad) = log_filter(env(Some("carve=loud"), None), "info");
+        assert_eq!(f.to_string(), "info");
+        assert!(
+            bad.len() == 1 && bad[0].contains("CARVE_LOG") && bad[0].contains("carve=loud"),
+            "{bad:?}"
+        );
     }
 }

@@ -443,8 +443,89 @@ async fn shutdown_signal() {
     }
 }
 
+impl std::fmt::Display for MigPolicy {
+    /// As `--mig-policy` takes it: `dynamic,1=static`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let word = |p: GpuPolicy| match p {
+            GpuPolicy::Dynamic => "dynamic",
+            GpuPolicy::Static => "static",
+        };
+        f.write_str(word(self.default))?;
+        for (i, p) in &self.per_gpu {
+            write!(f, ",{i}={}", word(*p))?;
+        }
+        Ok(())
+    }
+}
+
+/// A `--kube-api-url` as it may be logged: user information
+/// (`http://user:password@host`) replaced by `***`.
+fn loggable_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((_, host)) if scheme.is_empty() => format!("***@{host}{path}"),
+        Some((_, host)) => format!("{scheme}://***@{host}{path}"),
+        None => url.to_string(),
+    }
+}
+
+/// The start-up line: carve's version and the effective settings, each a
+/// field of its own (no secret among them).
+fn log_start(args: &PluginArgs, log_format: &str) {
+    fn value(v: &impl clap::ValueEnum) -> String {
+        v.to_possible_value()
+            .map(|p| p.get_name().to_string())
+            .unwrap_or_default()
+    }
+    let path = |p: &Path| p.display().to_string();
+    let opt = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let sharing: Vec<String> = args.sharing.iter().map(value).collect();
+    let mps =
+        args.sharing.contains(&SharingKind::Mps) || args.sharing.contains(&SharingKind::MigMps);
+    let kube_api = args
+        .kube_api_url
+        .as_deref()
+        .map_or_else(|| "kubeconfig or in-cluster".to_string(), loggable_url);
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        node_name = %args.node_name,
+        pod_uid = args.pod_uid.as_deref(),
+        kube_api = %kube_api,
+        plugins_dir = %path(&args.plugins_dir),
+        registry_dir = %path(&args.registry_dir),
+        cdi_dir = %path(&args.cdi_dir),
+        state_dir = %path(&args.state_dir),
+        container_driver_root = %path(&args.container_driver_root),
+        host_driver_root = %path(&args.host_driver_root),
+        nvml_lib = %path(&args.nvml.nvml_lib),
+        proc_driver_nvidia = %path(&args.nvml.proc_driver_nvidia),
+        proc_devices = %path(&args.proc_devices),
+        nvidia_cdi_hook = opt(&args.nvidia_cdi_hook).as_deref(),
+        metrics_addr = %args.metrics_addr,
+        mig_policy = %args.mig_policy,
+        sharing = %sharing.join(","),
+        mps,
+        mps_protocol = %value(&args.mps_protocol),
+        mps_control = opt(&args.mps_control).as_deref(),
+        mps_dir = opt(&args.mps_dir).as_deref(),
+        mps_dev_shm = %value(&args.mps_dev_shm),
+        mps_daemon_cgroup = %opt(&args.mps_daemon_cgroup.0).unwrap_or_else(|| "none".into()),
+        mps_supervise_seconds = args.mps_supervise_seconds,
+        cgroup_root = %path(&args.cgroup_root),
+        nvidia_smi = opt(&args.nvidia_smi).as_deref(),
+        gc_interval_seconds = args.gc_interval_seconds,
+        health_poll_seconds = args.health_poll_seconds,
+        api_timeout_seconds = args.api_timeout_seconds,
+        resync_seconds = args.resync_seconds,
+        log_format,
+        "carve kubelet-plugin starting"
+    );
+}
+
 /// Run the plugin until SIGTERM / Ctrl-C.
-pub fn run(args: PluginArgs) -> anyhow::Result<()> {
+pub fn run(args: PluginArgs, log_format: &str) -> anyhow::Result<()> {
+    log_start(&args, log_format);
     check_paths(&args)?;
     // MPS flags and support before anything is created (detection fails
     // first on a missing control binary).
@@ -510,8 +591,8 @@ async fn serve(args: PluginArgs, node: Node) -> anyhow::Result<()> {
 
     let cfg = plugin_config(&args, node.plugin_dir, metrics.clone(), node.mps);
     let driver = Arc::new(carve_plugin::Driver::new(cfg, node.backend, client).await?);
-    let report = driver.recover().await?;
-    tracing::info!(?report, "recovered");
+    // Recovery logs its own summary.
+    driver.recover().await?;
     let supervisor = supervise_mps(
         driver.clone(),
         Duration::from_secs(args.mps_supervise_seconds.max(1)),
@@ -531,10 +612,10 @@ async fn serve(args: PluginArgs, node: Node) -> anyhow::Result<()> {
     });
     let metrics_server =
         carve_metrics::bind(args.metrics_addr, metrics, ready, stopped(stop_rx)).await?;
-    eprintln!(
-        "carve kubelet-plugin: serving {} (metrics on {})",
-        serving.paths.dra.display(),
-        metrics_server.local_addr()
+    tracing::info!(
+        dra_socket = %serving.paths.dra.display(),
+        metrics_addr = %metrics_server.local_addr(),
+        "serving the kubelet"
     );
 
     shutdown_signal().await;
@@ -921,12 +1002,81 @@ mod tests {
         assert_eq!(mark(&config), [false, false], "misc backend: no dmem");
     }
 
+    /// The JSON lines `f` logs at info level and above.
+    fn json_logs(f: impl FnOnce()) -> Vec<serde_json::Value> {
+        #[derive(Clone, Default)]
+        struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let w = buf.clone();
+        let sub = tracing_subscriber::fmt()
+            .json()
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || w.clone())
+            .finish();
+        tracing::subscriber::with_default(sub, f);
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
+    }
+
+    #[test]
+    fn the_start_line_names_the_version_and_each_setting_as_a_field() {
+        let a = plugin_args(&[
+            "--mig-policy",
+            "dynamic,1=static",
+            "--mps-protocol",
+            "v3",
+            "--resync-seconds",
+            "17",
+            "--state-dir",
+            "/s",
+            "--kube-api-url",
+            "http://admin:hunter2@api.example:6443/x",
+        ]);
+        let lines = json_logs(|| log_start(&a, "json"));
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let f = &lines[0]["fields"];
+        assert_eq!(f["version"], env!("CARGO_PKG_VERSION"));
+        assert_eq!(f["node_name"], "n");
+        assert_eq!(f["state_dir"], "/s");
+        assert_eq!(f["mig_policy"], "dynamic,1=static");
+        assert_eq!(f["sharing"], "mps");
+        assert_eq!(f["mps"], true);
+        assert_eq!(f["mps_protocol"], "v3");
+        assert_eq!(f["resync_seconds"], 17);
+        assert_eq!(f["api_timeout_seconds"], 10);
+        assert_eq!(f["log_format"], "json");
+        assert_eq!(f["host_driver_root"], "/");
+        assert_eq!(f["kube_api"], "http://***@api.example:6443/x");
+        let all = lines[0].to_string();
+        assert!(!all.contains("hunter2"), "a password logged: {all}");
+        assert!(!all.contains("PluginArgs"), "a Debug dump: {all}");
+    }
+
+    #[test]
+    fn urls_lose_their_user_information_only() {
+        assert_eq!(loggable_url("http://127.0.0.1:1"), "http://127.0.0.1:1");
+        assert_eq!(loggable_url("https://u:p@h/a@b"), "https://***@h/a@b");
+        assert_eq!(loggable_url("u@h:1"), "***@h:1");
+    }
+
     #[test]
     fn mig_policy_parses_defaults_and_overrides() {
         let p = parse_mig_policy("dynamic,1=static,3=static").unwrap();
         assert_eq!(p.default, GpuPolicy::Dynamic);
         assert_eq!(p.of(1), GpuPolicy::Static);
         assert_eq!(p.of(2), GpuPolicy::Dynamic);
+        assert_eq!(p.to_string(), "dynamic,1=static,3=static");
         assert!(parse_mig_policy("dynamc").unwrap_err().contains("dynamc"));
         assert!(
             parse_mig_policy("dynamic,x=static")

@@ -236,3 +236,27 @@ fn nvml_from_the_driver_root_is_loaded() {
     assert!(!err.contains("opening NVML"), "{err}");
     assert!(err.contains("API server"), "{err}");
 }
+
+/// `carve --help` and `carve kubelet-plugin --help` name the variables
+/// logging reads and say what they do.
+#[test]
+fn help_names_the_log_variables() {
+    for args in [&["--help"][..], &["kubelet-plugin", "--help"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_carve"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        let line = |var: &str| {
+            help.lines()
+                .find(|l| l.trim_start().starts_with(&format!("{var} ")))
+                .unwrap_or_else(|| panic!("`carve {args:?}` does not document {var}:\n{help}"))
+                .to_string()
+        };
+        assert!(line("CARVE_LOG").contains("RUST_LOG"), "{help}");
+        assert!(line("RUST_LOG").contains("CARVE_LOG"), "{help}");
+        assert!(line("CARVE_LOG_FORMAT").contains("json"), "{help}");
+        assert!(help.contains("Neither set: `warn`"), "{help}");
+    }
+}

@@ -201,6 +201,15 @@ impl<D> DraService<D> {
     }
 }
 
+/// The claims of a request as log lines name them: `ns/name (uid)`, `, `-joined.
+fn claim_list(claims: &[Claim]) -> String {
+    claims
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Every claim of the request gets exactly one answer: the driver's result
 /// for its UID (the first claim of a UID takes it), or an error saying the
 /// driver gave none. Results for UIDs not asked about are dropped.
@@ -246,7 +255,7 @@ macro_rules! dra_service {
             ) -> Result<Response<$v::NodePrepareResourcesResponse>, Status> {
                 let claims: Vec<Claim> =
                     r.into_inner().claims.into_iter().map(Claim::from).collect();
-                tracing::debug!(claims = claims.len(), "NodePrepareResources");
+                tracing::debug!(claims = %claim_list(&claims), "NodePrepareResources");
                 let turn = self.turn().await?;
                 let results = self.driver.prepare(claims.clone()).await;
                 drop(turn);
@@ -278,7 +287,7 @@ macro_rules! dra_service {
             ) -> Result<Response<$v::NodeUnprepareResourcesResponse>, Status> {
                 let claims: Vec<Claim> =
                     r.into_inner().claims.into_iter().map(Claim::from).collect();
-                tracing::debug!(claims = claims.len(), "NodeUnprepareResources");
+                tracing::debug!(claims = %claim_list(&claims), "NodeUnprepareResources");
                 let turn = self.turn().await?;
                 let results = self.driver.unprepare(claims.clone()).await;
                 drop(turn);

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use carve_gpu::{ComputeMode, GpuBackend};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::Api;
+use tracing::Instrument as _;
 
 use super::mig::{
     GpuReads, InstanceGauges, Live, MigModeChanges, destroy_devices, make_devices, read_checked,
@@ -36,7 +37,9 @@ impl Driver {
     ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)> {
         let futs = claims.into_iter().map(|c| async move {
             let t = std::time::Instant::now();
-            let r = self.prepare_one(&c).await;
+            // Every line logged while it runs names the claim.
+            let span = tracing::info_span!("prepare", claim = %c);
+            let r = self.prepare_one(&c).instrument(span).await;
             self.observe(ClaimOp::Prepare, &c, &r, t);
             (c, r)
         });
@@ -338,7 +341,7 @@ impl Driver {
             })
             .await;
         if let Err(e) = undone {
-            tracing::error!(claim.uid = %claim.uid, error = %e, "rollback after a failed prepare");
+            tracing::error!(claim.uid = %claim.uid, claim = %claim, error = %e, "rollback after a failed prepare");
         }
         self.forget_failed(claim).await;
     }
@@ -348,7 +351,8 @@ impl Driver {
         &self,
         f: impl FnOnce() -> Result<T, ClaimError> + Send + 'static,
     ) -> Result<T, ClaimError> {
-        tokio::task::spawn_blocking(f)
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || span.in_scope(f))
             .await
             .map_err(|e| ClaimError::Task(e.to_string()))?
     }

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use carve_gpu::{BackendError, GpuInstanceInfo};
 use carve_model::Placement;
 use kube::api::{Api, ListParams};
+use tracing::Instrument as _;
 
 use super::mig::{Live, destroy_instance};
 use super::plan::plan_claim;
@@ -58,6 +59,75 @@ pub struct RecoveryReport {
     pub compute_mode_restored: Vec<String>,
 }
 
+/// Up to this many claim UIDs are listed in the recovery summary; more are
+/// only counted there (the full lists are logged at debug level).
+const LISTED_CLAIMS: usize = 8;
+
+impl RecoveryReport {
+    /// The claims recovery kept, adopted and rolled back, `,`-joined, while
+    /// they are [`LISTED_CLAIMS`] or fewer; `None` when there are more or none.
+    #[must_use]
+    pub fn short_claim_list(&self) -> Option<String> {
+        let all: Vec<&str> = self
+            .kept
+            .iter()
+            .chain(&self.adopted)
+            .chain(&self.rolled_back)
+            .map(String::as_str)
+            .collect();
+        (!all.is_empty() && all.len() <= LISTED_CLAIMS).then(|| all.join(","))
+    }
+
+    /// Logs the report: one info line of counts (the claim UIDs too while
+    /// they are few), and the full lists at debug level.
+    pub fn log(&self) {
+        let moved_aside = self.moved_aside.as_ref().map(|p| p.display().to_string());
+        tracing::info!(
+            kept = self.kept.len(),
+            adopted = self.adopted.len(),
+            rolled_back = self.rolled_back.len(),
+            claims = self.short_claim_list().as_deref(),
+            instances_destroyed = self.swept.len(),
+            missing_instances = self.missing_instances.len(),
+            cdi_specs_rewritten = self.cdi_rewritten.len(),
+            checkpoint_from_other_boot = self.discarded_other_boot,
+            checkpoint_moved_aside = moved_aside.is_some(),
+            checkpoint_moved_to = moved_aside.as_deref(),
+            mps_units = self.mps_units.len(),
+            mps_daemons_stopped = self.mps_stopped.len(),
+            mps_units_failed = self.mps_failed.len(),
+            memory_limits_cleared = self.memory_limits_cleared.len(),
+            compute_modes_restored = self.compute_mode_restored.len(),
+            "recovery done"
+        );
+        let join = |v: &[String]| v.join(",");
+        let units: Vec<String> = self
+            .mps_units
+            .iter()
+            .map(|(u, e)| format!("{u}: {e:?}"))
+            .collect();
+        let failed: Vec<String> = self
+            .mps_failed
+            .iter()
+            .map(|(u, why)| format!("{u}: {why}"))
+            .collect();
+        tracing::debug!(
+            kept = %join(&self.kept),
+            adopted = %join(&self.adopted),
+            rolled_back = %join(&self.rolled_back),
+            instances_destroyed = %join(&self.swept),
+            missing_instances = %join(&self.missing_instances),
+            cdi_specs_rewritten = %join(&self.cdi_rewritten),
+            mps_units = %units.join("; "),
+            mps_daemons_stopped = %join(&self.mps_stopped),
+            mps_units_failed = %failed.join("; "),
+            memory_limits_cleared = %join(&self.memory_limits_cleared),
+            compute_modes_restored = %join(&self.compute_mode_restored),
+            "recovery details"
+        );
+    }
+}
+
 impl Driver {
     /// Unprepare claims whose ResourceClaim is gone or has another UID.
     /// Returns the UIDs cleaned up.
@@ -74,20 +144,22 @@ impl Driver {
         for c in claims {
             let api: Api<ReadClaim> = Api::namespaced(self.client.clone(), &c.namespace);
             let get = api.get_opt(&c.name);
-            let stale =
-                match crate::api::bounded(&self.api_calls, self.config.api_timeout, get).await {
-                    Ok(None) => true,
-                    Ok(Some(ReadClaim(rc))) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
-                    Err(e) => {
-                        tracing::warn!(claim.uid = %c.uid, error = %e, "GC: reading claim failed");
-                        false
-                    }
-                };
+            let stale = match crate::api::bounded(&self.api_calls, self.config.api_timeout, get)
+                .await
+            {
+                Ok(None) => true,
+                Ok(Some(ReadClaim(rc))) => rc.metadata.uid.as_deref() != Some(c.uid.as_str()),
+                Err(e) => {
+                    tracing::warn!(claim.uid = %c.uid, claim = %c.claim_ref(), error = %e, "GC: reading claim failed");
+                    false
+                }
+            };
             if stale {
-                match self.unprepare_one(&c.uid).await {
+                let span = tracing::info_span!("gc_unprepare", claim = %c.claim_ref());
+                match self.unprepare_one(&c.uid).instrument(span).await {
                     Ok(()) => done.push(c.uid),
                     Err(e) => {
-                        tracing::warn!(claim.uid = %c.uid, error = %e, "GC: unprepare failed")
+                        tracing::warn!(claim.uid = %c.uid, claim = %c.claim_ref(), error = %e, "GC: unprepare failed")
                     }
                 }
             }
@@ -127,7 +199,7 @@ impl Driver {
         self.store_recovered(body).await?;
         self.record_instances(self.gpus.keys().copied().collect::<Vec<_>>())
             .await;
-        tracing::info!(?report, "recovery done");
+        report.log();
         Ok(report)
     }
 
@@ -517,5 +589,25 @@ impl Driver {
             out.push(rec);
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_lists_claims_only_while_they_are_few() {
+        let uids = |p: &str, n: usize| (0..n).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
+        let mut r = RecoveryReport {
+            kept: uids("k", 2),
+            adopted: uids("a", 1),
+            rolled_back: uids("r", 1),
+            ..Default::default()
+        };
+        assert_eq!(r.short_claim_list().as_deref(), Some("k0,k1,a0,r0"));
+        r.kept = uids("k", LISTED_CLAIMS - 1);
+        assert!(r.short_claim_list().is_none(), "9 claims listed");
+        assert!(RecoveryReport::default().short_claim_list().is_none());
     }
 }

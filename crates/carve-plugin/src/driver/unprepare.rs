@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 
 use carve_gpu::BackendError;
+use tracing::Instrument as _;
 
 use super::mig::{destroy_devices, disable_mig_if_empty};
 use super::{ClaimError, ClaimOp, Driver, blocking};
@@ -21,7 +22,13 @@ impl Driver {
     ) -> Vec<(ClaimRef, Result<(), ClaimError>)> {
         let futs = claims.into_iter().map(|c| async move {
             let t = std::time::Instant::now();
-            let r = self.unprepare_one(&c.uid).await;
+            // Every line logged while it runs names the claim.
+            let span = tracing::info_span!("unprepare", claim = %c);
+            let r = self.unprepare_uid(&c.uid).instrument(span).await.map(|done| {
+                if !done {
+                    tracing::info!(claim.uid = %c.uid, claim = %c, "unprepared (the claim was not prepared on this node)");
+                }
+            });
             self.observe(ClaimOp::Unprepare, &c, &r, t);
             (c, r)
         });
@@ -34,6 +41,11 @@ impl Driver {
     /// Instances that stay in use, NVML or file errors; the claim then stays
     /// recorded and a retry continues where this one stopped.
     pub async fn unprepare_one(&self, uid: &str) -> Result<(), ClaimError> {
+        self.unprepare_uid(uid).await.map(|_| ())
+    }
+
+    /// [`Self::unprepare_one`], saying whether the claim was prepared here.
+    async fn unprepare_uid(&self, uid: &str) -> Result<bool, ClaimError> {
         let lock = self.claim_lock(uid);
         let guard = lock.lock().await;
         let r = self.unprepare_locked(uid).await;
@@ -43,19 +55,19 @@ impl Driver {
         r
     }
 
-    async fn unprepare_locked(&self, uid: &str) -> Result<(), ClaimError> {
+    async fn unprepare_locked(&self, uid: &str) -> Result<bool, ClaimError> {
         self.settle_status_write(uid).await;
         let _host = self.host_lock_for_claim().await?;
         let Some(rec) = self.mark_unprepare_started(uid).await? else {
-            return Ok(());
+            return Ok(false);
         };
         let gpu_ids: BTreeSet<u32> = rec.devices.iter().map(|d| d.gpu_index).collect();
         let _gpus = self.lock_gpus(&gpu_ids).await;
         let restored = self.take_apart(&rec, &gpu_ids).await?;
         let restore = self.forget_unprepared(uid, &restored, &gpu_ids).await?;
         self.turn_mig_mode_off(&restore).await?;
-        tracing::info!(claim.uid = %uid, "unprepared");
-        Ok(())
+        tracing::info!(claim.uid = %uid, claim = %rec.claim_ref(), devices = rec.devices.len(), "unprepared");
+        Ok(true)
     }
 
     /// The claim's record, marked `UnprepareStarted` (written once); `None`

@@ -46,20 +46,7 @@ fn field<'a>(line: &'a Value, name: &str) -> &'a Value {
 }
 
 async fn device_classes(api: &ApiServer) -> Vec<DeviceClass> {
-    let path = workspace_root().join("examples/deviceclasses.yaml");
-    let classes: Vec<DeviceClass> = load_yaml_documents(&path)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .filter_map(|o| match o {
-            Object::Class(c) => Some(c),
-            _ => None,
-        })
-        .collect();
-    let capi: Api<DeviceClass> = Api::all(api.client());
-    for c in &classes {
-        capi.create(&PostParams::default(), c).await.unwrap();
-    }
-    classes
+    carve_e2e::create_example_classes(api.client()).await
 }
 
 /// The `examples/mig-1g` claim as `NS/CLAIM`, allocated on the node and

@@ -370,6 +370,8 @@ pub struct Cluster {
     gate_overrides: BTreeMap<Component, BTreeMap<String, bool>>,
     net: Vec<Vec<String>>,
     mounted: bool,
+    /// When each component was (re)started, in order.
+    starts: Vec<(Component, std::time::SystemTime)>,
 }
 
 /// The API server's URL, as host processes dial it.
@@ -431,6 +433,7 @@ impl Cluster {
             gate_overrides: BTreeMap::new(),
             net: Vec::new(),
             mounted: false,
+            starts: Vec::new(),
         };
         sweep_stale(&c.bins);
         c.mount_root()?;
@@ -1000,9 +1003,20 @@ state = "{root}/containerd/state"
         if c == Component::Kubelet {
             self.write_kubelet_config()?;
         }
+        self.starts.push((c, std::time::SystemTime::now()));
         let p = Proc::start(c.name(), self.command(c), &self.log_path(c))?;
         self.procs.insert(c, p);
         self.wait_ready(c, Duration::from_secs(120)).await
+    }
+
+    /// When `c` was started, each time, oldest first.
+    #[must_use]
+    pub fn started(&self, c: Component) -> Vec<std::time::SystemTime> {
+        self.starts
+            .iter()
+            .filter(|(x, _)| *x == c)
+            .map(|(_, t)| *t)
+            .collect()
     }
 
     /// Stops `c` (SIGTERM, then SIGKILL after 10 s).

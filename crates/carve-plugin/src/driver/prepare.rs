@@ -23,7 +23,7 @@ use super::mig::{
 };
 use super::mps_shares::{MpsJob, Neighbours};
 use super::plan::{Planned, check_claims, plan_claim, started};
-use super::{ClaimError, ClaimOp, Driver, Gpu};
+use super::{ClaimError, ClaimOp, Driver, Gpu, blocking};
 use crate::cdi;
 use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord, PreparedKind};
 use crate::claim::{ClaimRef, PreparedDevice, ReadClaim};
@@ -351,10 +351,7 @@ impl Driver {
         &self,
         f: impl FnOnce() -> Result<T, ClaimError> + Send + 'static,
     ) -> Result<T, ClaimError> {
-        let span = tracing::Span::current();
-        tokio::task::spawn_blocking(move || span.in_scope(f))
-            .await
-            .map_err(|e| ClaimError::Task(e.to_string()))?
+        blocking(f).await.map_err(ClaimError::Task)?
     }
 }
 

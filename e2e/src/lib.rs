@@ -329,6 +329,26 @@ pub fn sim_library() -> Result<PathBuf, E2eError> {
     }
 }
 
+/// Waits until the node's pool is published, complete, in `store`
+/// ([`published_pool`]), and returns its slices.
+///
+/// # Errors
+/// A stored slice is not a ResourceSlice, the plugin exits, or the deadline
+/// passes ([`wait_for`]).
+pub async fn wait_published(
+    node: &mut SimNode,
+    store: &Store,
+) -> Result<Vec<ResourceSlice>, E2eError> {
+    let (s, name) = (store.clone(), node.node_name.clone());
+    wait_for(
+        node,
+        "the node's ResourceSlices in the API server",
+        move |_| published_pool(&s, &name).transpose(),
+    )
+    .await
+    .and_then(|r| r)
+}
+
 /// Polls `cond` every [`POLL`] until it yields a value, the plugin exits, or
 /// [`DEADLINE`] passes.
 ///

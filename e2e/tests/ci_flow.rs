@@ -20,7 +20,7 @@ use carve_alloc::{AllocError, Allocator, Inputs, Object, load_yaml_documents};
 use carve_apiserver::{ApiServer, Options, Store};
 use carve_e2e::{
     Prepared, SimNode, allocated_devices, carve_binary, check_prepared, claim_ref, device_types,
-    published_pool, wait_for, workspace_root,
+    workspace_root,
 };
 use carve_plugin::testing::FakeKubelet;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
@@ -117,15 +117,9 @@ async fn classes_into(api: &ApiServer) -> Vec<DeviceClass> {
 }
 
 async fn wait_published(node: &mut SimNode, store: &Store) -> Vec<ResourceSlice> {
-    let s = store.clone();
-    wait_for(
-        node,
-        "the node's ResourceSlices in the API server",
-        move |_| published_pool(&s, NODE).transpose(),
-    )
-    .await
-    .and_then(|r| r)
-    .unwrap_or_else(|e| panic!("{e}"))
+    carve_e2e::wait_published(node, store)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 async fn start(gpus: Vec<GpuEntry>, faults: Vec<Fault>) -> (Rig, Vec<DeviceClass>) {

@@ -13,8 +13,7 @@ use std::path::Path;
 use carve_alloc::{Allocator, Inputs, Object, load_yaml_documents};
 use carve_apiserver::{ApiServer, Identity, KubeVersion, Options, PolicyRule, Resource};
 use carve_e2e::{
-    SimNode, allocated_devices, carve_binary, check_prepared, claim_ref, published_pool, wait_for,
-    workspace_root,
+    SimNode, allocated_devices, carve_binary, check_prepared, claim_ref, wait_for, workspace_root,
 };
 use carve_plugin::testing::FakeKubelet;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
@@ -123,12 +122,9 @@ async fn allocate(
     allocated: &[ResourceClaim],
     name: &str,
 ) -> ResourceClaim {
-    let store = api.store();
-    let slices = wait_for(node, "the node's ResourceSlices", move |_| {
-        published_pool(&store, NODE).ok().flatten()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let slices = carve_e2e::wait_published(node, &api.store())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let inputs = Inputs {
         slices,
         classes: classes.to_vec(),

@@ -8,7 +8,7 @@
 
 use carve_alloc::{Allocator, Inputs, Object, load_yaml_documents};
 use carve_apiserver::{ApiServer, Options};
-use carve_e2e::{SimNode, carve_binary, claim_ref, published_pool, wait_for, workspace_root};
+use carve_e2e::{SimNode, carve_binary, claim_ref, wait_for, workspace_root};
 use carve_plugin::testing::FakeKubelet;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::Api;
@@ -56,12 +56,9 @@ async fn allocated_claim(
     node: &mut SimNode,
     classes: Vec<DeviceClass>,
 ) -> ResourceClaim {
-    let store = api.store();
-    let slices = wait_for(node, "the node's ResourceSlices", move |_| {
-        published_pool(&store, NODE).ok().flatten()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let slices = carve_e2e::wait_published(node, &api.store())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let path = workspace_root().join("examples/mig-1g/claim.yaml");
     let mut claim = load_yaml_documents(&path)
         .unwrap_or_else(|e| panic!("{e}"))

@@ -279,9 +279,7 @@ fn apiserver_on_port_zero_prints_the_port_it_serves() {
 
 /// An allocated claim holding `device` (a MIG placement) of pool `node-a`.
 fn allocated(name: &str, device: &str) -> String {
-    format!(
-        "---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly: {{deviceClassName: mig.gpu.carve.dev}}\nstatus:\n  allocation:\n    devices:\n      results:\n      - {{request: gpu, driver: gpu.carve.dev, pool: node-a, device: {device}}}\n    nodeSelector:\n      nodeSelectorTerms:\n      - matchFields:\n        - {{key: metadata.name, operator: In, values: [node-a]}}\n"
-    )
+    allocated_of_class(name, "mig.gpu.carve.dev", device)
 }
 
 #[test]
@@ -762,6 +760,20 @@ fn mig_1g() -> String {
     example("mig-1g")
 }
 
+/// `carve explain CLAIM --slices STATE --scheduler-version V [more]`.
+fn explain_on(claim: &str, state: &str, v: &str, more: &[&str]) -> Run {
+    let mut args = vec![
+        "explain",
+        claim,
+        "--slices",
+        state,
+        "--scheduler-version",
+        v,
+    ];
+    args.extend_from_slice(more);
+    carve(&args)
+}
+
 const SHARED_NOTE: &str = "does not count the counters of shared devices already allocated";
 
 #[test]
@@ -790,14 +802,7 @@ fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
     let state = state.to_str().unwrap();
     let claim = mig_1g();
     for v in ["1.34", "1.35", "1.35.6", "1.36", "1.36.1"] {
-        let r = carve(&[
-            "explain",
-            &claim,
-            "--slices",
-            state,
-            "--scheduler-version",
-            v,
-        ]);
+        let r = explain_on(&claim, state, v, &[]);
         assert_eq!(r.code, 0, "{v}: {}{}", r.stdout, r.stderr);
         // carve's allocator counts the share: the partition goes to GPU 1.
         assert!(
@@ -815,27 +820,12 @@ fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
         );
     }
     for v in ["1.36.2", "1.37"] {
-        let r = carve(&[
-            "explain",
-            &claim,
-            "--slices",
-            state,
-            "--scheduler-version",
-            v,
-        ]);
+        let r = explain_on(&claim, state, v, &[]);
         assert_eq!(r.code, 0, "{v}: {}", r.stderr);
         assert!(!r.stdout.contains("note:"), "{v}: {}", r.stdout);
     }
     // JSON carries the notes too.
-    let r = carve(&[
-        "explain",
-        &claim,
-        "--slices",
-        state,
-        "--scheduler-version",
-        "1.35",
-        "--json",
-    ]);
+    let r = explain_on(&claim, state, "1.35", &["--json"]);
     let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     let notes = v["schedulerNotes"].as_array().unwrap();
     assert!(

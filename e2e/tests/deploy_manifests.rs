@@ -322,6 +322,23 @@ fn one<'a, T: Debug>(items: &'a [T], what: &str) -> &'a T {
     &items[0]
 }
 
+/// The chart's ValidatingAdmissionPolicy whose name ends with `suffix`.
+fn policy<'a>(m: &'a Manifests, suffix: &str) -> &'a ValidatingAdmissionPolicy {
+    let found: Vec<_> = m
+        .policies
+        .iter()
+        .filter(|p| {
+            p.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.ends_with(suffix))
+        })
+        .collect();
+    let what = format!("ValidatingAdmissionPolicy named *{suffix}");
+    let found: &&ValidatingAdmissionPolicy = one(&found, &what);
+    found
+}
+
 fn plugin_container(ds: &DaemonSet) -> &Container {
     let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     one(&spec.containers, "container")
@@ -566,9 +583,21 @@ fn check_common(m: &Manifests) {
     assert_eq!(subject.name, sa_name);
     assert_eq!(subject.namespace.as_deref(), Some(NAMESPACE));
 
-    // Admission policy: only the plugin's ServiceAccount, only its node, only
-    // this driver, never cluster-wide slices.
-    let vap = one(&m.policies, "ValidatingAdmissionPolicy");
+    // Admission policies: one for slices, one for claim status; each bound.
+    assert_eq!(m.policies.len(), 2, "{:#?}", m.policies);
+    assert_eq!(m.policy_bindings.len(), 2, "{:#?}", m.policy_bindings);
+    for pb in &m.policy_bindings {
+        assert!(
+            m.policies
+                .iter()
+                .any(|p| p.metadata.name.as_ref() == Some(&pb.spec.policy_name)),
+            "binding of a policy the chart lacks: {pb:#?}"
+        );
+        assert_eq!(pb.spec.validation_actions, ["Deny"]);
+    }
+    // The slice policy: only the plugin's ServiceAccount, only its node and
+    // pool, only this driver, never cluster-wide slices.
+    let vap = policy(m, "-resourceslices");
     let vspec = vap.spec.as_ref().unwrap();
     assert_eq!(vspec.failure_policy.as_deref(), Some("Fail"));
     let rule = one(
@@ -619,6 +648,7 @@ fn check_common(m: &Manifests) {
     for want in [
         "request.userInfo.extra[?'authentication.kubernetes.io/node-name']",
         "spec.?nodeName",
+        "spec.pool.name == variables.userNodeName",
         &format!("spec.driver == \"{DRIVER}\""),
         "allNodes",
         "nodeSelector",
@@ -630,10 +660,29 @@ fn check_common(m: &Manifests) {
             "policy CEL lacks {want}:\n{all_cel}"
         );
     }
-    let pb = one(&m.policy_bindings, "ValidatingAdmissionPolicyBinding");
-    let pbs = &pb.spec;
-    assert_eq!(Some(&pbs.policy_name), vap.metadata.name.as_ref());
-    assert_eq!(pbs.validation_actions, ["Deny"]);
+    // The claim-status policy: status subresource updates of the plugin.
+    let status = policy(m, "-resourceclaim-status");
+    let rule = one(
+        status
+            .spec
+            .as_ref()
+            .unwrap()
+            .match_constraints
+            .as_ref()
+            .unwrap()
+            .resource_rules
+            .as_deref()
+            .unwrap(),
+        "resource rule",
+    );
+    assert_eq!(
+        rule.resources.as_deref(),
+        Some(&["resourceclaims/status".to_string()][..])
+    );
+    assert_eq!(
+        rule.operations.as_deref(),
+        Some(&["UPDATE".to_string()][..])
+    );
 
     // DeviceClasses.
     let names: Vec<&str> = m
@@ -1526,7 +1575,7 @@ fn own_slice(node: &str) -> Json {
 #[test]
 fn admission_policy_confines_the_plugin_to_its_node_and_driver() {
     let m = render_valid(&default_values());
-    let vap = one(&m.policies, "ValidatingAdmissionPolicy");
+    let vap = policy(&m, "-resourceslices");
     let sa = format!("system:serviceaccount:{NAMESPACE}:carve");
     let plugin =
         |op: &str, node: Option<&str>, obj: Json, old: Json| admit(vap, op, &sa, node, obj, old);
@@ -1571,6 +1620,15 @@ fn admission_policy_confines_the_plugin_to_its_node_and_driver() {
     denied(
         plugin("UPDATE", a, own_slice("node-a"), own_slice("node-b")),
         "belonged to another node or driver",
+    );
+
+    // Its own node, but another node's pool: its devices would be counted
+    // in that pool.
+    let mut pool = own_slice("node-a");
+    pool["spec"]["pool"]["name"] = Json::from("node-b");
+    denied(
+        plugin("CREATE", a, pool, Json::Null),
+        "of its own pool 'node-a', not 'node-b'",
     );
 
     // Another driver.
@@ -1618,6 +1676,162 @@ fn admission_policy_confines_the_plugin_to_its_node_and_driver() {
             None,
             own_slice("node-b"),
             Json::Null
+        ),
+        Admission::NotMatched
+    );
+}
+
+/// A claim allocated on `node` with a device of carve's and one of another
+/// driver, reserved for one pod; `devices`: its `status.devices`.
+fn allocated_claim(node: &str, devices: Json) -> Json {
+    serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": { "name": "c", "namespace": "default" },
+        "spec": { "devices": { "requests": [] } },
+        "status": {
+            "allocation": {
+                "devices": { "results": [
+                    { "request": "a", "driver": DRIVER, "pool": node, "device": "gpu-0" },
+                    { "request": "b", "driver": "gpu.other.example.com", "pool": node, "device": "x" },
+                ] },
+                "nodeSelector": { "nodeSelectorTerms": [ { "matchFields": [
+                    { "key": "metadata.name", "operator": "In", "values": [node] },
+                ] } ] },
+            },
+            "reservedFor": [ { "resource": "pods", "name": "p", "uid": "u1" } ],
+            "devices": devices,
+        },
+    })
+}
+
+fn device_status(driver: &str, pool: &str, device: &str, message: &str) -> Json {
+    serde_json::json!({
+        "driver": driver, "pool": pool, "device": device,
+        "conditions": [ { "type": "Ready", "status": "True", "reason": "Prepared",
+            "message": message, "lastTransitionTime": "2026-01-01T00:00:00Z" } ],
+    })
+}
+
+#[test]
+fn admission_policy_confines_claim_status_to_its_node_and_driver() {
+    let m = render_valid(&default_values());
+    let vap = policy(&m, "-resourceclaim-status");
+    let sa = format!("system:serviceaccount:{NAMESPACE}:carve");
+    let plugin =
+        |node: Option<&str>, obj: Json, old: Json| admit(vap, "UPDATE", &sa, node, obj, old);
+    let denied = |a: Admission, needle: &str| match a {
+        Admission::Denied(msg) => assert!(msg.contains(needle), "{msg:?} lacks {needle:?}"),
+        other => panic!("expected denial containing {needle:?}, got {other:?}"),
+    };
+    let a = Some("node-a");
+    let theirs = device_status("gpu.other.example.com", "node-a", "x", "theirs");
+    let ours = device_status(DRIVER, "node-a", "gpu-0", "ours");
+    let before = allocated_claim("node-a", serde_json::json!([theirs]));
+
+    // Its own entry on a claim of its node, the other driver's kept (in
+    // either order), and rewriting its own entry.
+    let after = allocated_claim("node-a", serde_json::json!([theirs, ours]));
+    assert_eq!(plugin(a, after.clone(), before.clone()), Admission::Allowed);
+    let reordered = allocated_claim("node-a", serde_json::json!([ours, theirs]));
+    assert_eq!(plugin(a, reordered, before.clone()), Admission::Allowed);
+    let rewritten = allocated_claim(
+        "node-a",
+        serde_json::json!([theirs, device_status(DRIVER, "node-a", "gpu-0", "again")]),
+    );
+    assert_eq!(plugin(a, rewritten, after.clone()), Admission::Allowed);
+
+    // Another driver's entry changed, dropped, or added.
+    let changed = allocated_claim(
+        "node-a",
+        serde_json::json!([
+            device_status("gpu.other.example.com", "node-a", "x", "mine now"),
+            ours
+        ]),
+    );
+    denied(
+        plugin(a, changed, after.clone()),
+        "entries of driver gpu.carve.dev",
+    );
+    let dropped = allocated_claim("node-a", serde_json::json!([ours]));
+    denied(
+        plugin(a, dropped, after.clone()),
+        "entries of driver gpu.carve.dev",
+    );
+    let added = allocated_claim(
+        "node-a",
+        serde_json::json!([
+            theirs,
+            ours,
+            device_status("gpu.other.example.com", "node-a", "y", "")
+        ]),
+    );
+    denied(
+        plugin(a, added, after.clone()),
+        "entries of driver gpu.carve.dev",
+    );
+
+    // Its own driver's entry under another pool.
+    let pool = allocated_claim(
+        "node-a",
+        serde_json::json!([theirs, device_status(DRIVER, "node-b", "gpu-0", "")]),
+    );
+    denied(plugin(a, pool, before.clone()), "of its own pool 'node-a'");
+
+    // A claim allocated on another node, or on no single node.
+    let there_before = allocated_claim("node-b", serde_json::json!([]));
+    let there_after = allocated_claim(
+        "node-b",
+        serde_json::json!([device_status(DRIVER, "node-a", "gpu-0", "")]),
+    );
+    denied(
+        plugin(a, there_after, there_before),
+        "claims allocated on that node, not on 'node-b'",
+    );
+    let mut unallocated = allocated_claim("node-a", serde_json::json!([ours]));
+    unallocated["status"]
+        .as_object_mut()
+        .unwrap()
+        .remove("allocation");
+    let mut unallocated_before = unallocated.clone();
+    unallocated_before["status"]["devices"] = serde_json::json!([]);
+    denied(
+        plugin(a, unallocated, unallocated_before),
+        "not allocated to one node",
+    );
+
+    // Clearing the allocation or the reservation: the claim's devices would
+    // be handed out again under a running pod.
+    let mut cleared = after.clone();
+    cleared["status"]["reservedFor"] = serde_json::json!([]);
+    denied(
+        plugin(a, cleared, after.clone()),
+        "may not change status.allocation or status.reservedFor",
+    );
+    let mut deallocated = after.clone();
+    deallocated["status"]
+        .as_object_mut()
+        .unwrap()
+        .remove("allocation");
+    denied(
+        plugin(a, deallocated, after.clone()),
+        "may not change status.allocation or status.reservedFor",
+    );
+
+    // A token without a node binding; and other principals are not this
+    // policy's business.
+    denied(
+        plugin(None, after.clone(), before.clone()),
+        "no node is bound",
+    );
+    assert_eq!(
+        admit(
+            vap,
+            "UPDATE",
+            "system:serviceaccount:kube-system:resourceclaim-controller",
+            None,
+            before.clone(),
+            after
         ),
         Admission::NotMatched
     );

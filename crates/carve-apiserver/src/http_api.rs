@@ -553,7 +553,7 @@ async fn dispatch(
                         verb: "patch",
                     };
                     let patched =
-                        patch(store, res, &ns, &name, part, dry, rules, parts, body).await?;
+                        patch(store, res, &ns, &name, part, dry, rules, parts, query, body).await?;
                     Ok(json_response(200, &patched))
                 }
                 Method::DELETE => {
@@ -638,15 +638,44 @@ async fn patch(
     dry: bool,
     rules: WriteRules<'_>,
     parts: &Parts,
+    query: &Query,
     body: Incoming,
 ) -> Result<Value, ApiError> {
     let mt = media_type(parts).unwrap_or_default();
+    if mt == "application/apply-patch+yaml" {
+        if !(res == Resource::ResourceClaims && matches!(part, Part::Status)) {
+            return Err(ApiError::new(
+                415,
+                "UnsupportedMediaType",
+                "this test server serves server-side apply only for resourceclaims/status",
+            ));
+        }
+        let manager = query.get("fieldManager").unwrap_or_default().to_string();
+        if manager.is_empty() {
+            return Err(ApiError::bad_request(
+                "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch",
+            ));
+        }
+        let force = query.flag("force");
+        let bytes = read_bytes(body).await?;
+        // kube sends the configuration as JSON, which is YAML too.
+        let doc: Value = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::bad_request(format!(
+                "this test server reads apply configurations as JSON only: {e}"
+            ))
+        })?;
+        return store.patch(res, ns, name, part, dry, |cur| {
+            let mut v = crate::apply::apply_claim_status(res, name, cur, &doc, &manager, force)?;
+            rules.apply(res, part, (ns, name), &mut v, Some(cur))?;
+            Ok(v)
+        });
+    }
     let unsupported = || {
         ApiError::new(
             415,
             "UnsupportedMediaType",
             format!(
-                "the body of the request was in an unknown format ({mt:?}) - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json (applied as a merge patch)"
+                "the body of the request was in an unknown format ({mt:?}) - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json (applied as a merge patch), application/apply-patch+yaml (resourceclaims/status only)"
             ),
         )
     };

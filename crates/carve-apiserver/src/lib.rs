@@ -36,7 +36,8 @@
 //! the fields dropped while a feature gate is off and the status
 //! authorization above: [`ApiServer::set_version`],
 //! [`ApiServer::set_feature_gate`]; the `strategy` module lists them with
-//! their upstream sources), no server-side apply, no protobuf, no pagination
+//! their upstream sources), server-side apply only of a ResourceClaim's
+//! `status.devices` (the `apply` module says what of it), no protobuf, no pagination
 //! (`limit`/`continue` return everything in one page), and strategic merge
 //! patch is applied as a JSON merge patch (lists are replaced, `$` directives
 //! are rejected). State lives in memory only.
@@ -51,6 +52,7 @@
 //! # Ok(()) }
 //! ```
 
+mod apply;
 mod authz;
 mod http_api;
 mod patch;

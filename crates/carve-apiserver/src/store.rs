@@ -46,7 +46,7 @@ impl ApiError {
         }
     }
 
-    fn with_details(mut self, res: Resource, name: &str) -> Self {
+    pub(crate) fn with_details(mut self, res: Resource, name: &str) -> Self {
         self.details = Some(Box::new(Details {
             group: GROUP.to_string(),
             kind: res.plural().to_string(),
@@ -541,6 +541,11 @@ impl Inner {
                         Some(s) if !s.is_null() => map.insert("status".into(), s.clone()),
                         _ => map.remove("status"),
                     };
+                }
+                // Field ownership is the object's, whichever endpoint
+                // wrote it (a server-side apply of the status records it).
+                if let Some(m) = new.pointer("/metadata/managedFields") {
+                    meta_mut(&mut r).insert("managedFields".into(), m.clone());
                 }
                 r
             }

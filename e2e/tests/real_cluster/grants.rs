@@ -8,9 +8,12 @@
 //! with the plugin's own kind of credential (a token bound to its pod, so
 //! it carries the pod's node) the API server refuses: another node's
 //! ResourceSlices and another driver's (the chart's ValidatingAdmissionPolicy),
-//! verbs and resources not granted (RBAC), and from Kubernetes 1.36 the
-//! device status of a claim on another node or of another driver
-//! (`resourceclaims/driver` with `associated-node:patch` only).
+//! a slice of its node under another node's pool name (the same policy),
+//! verbs and resources not granted (RBAC), and the device status of a claim
+//! on another node or of another driver, or a change of a claim's
+//! reservation: from Kubernetes 1.36 the API server's own check
+//! (`resourceclaims/driver` with `associated-node:patch` only, no
+//! `resourceclaims/binding`), before it the chart's claim-status policy.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -303,7 +306,7 @@ async fn refusals(c: &Cluster, admin: &Client, plugin: &Pod, sa: &str) -> R<()> 
             "spec": {
                 "driver": driver,
                 "nodeName": node,
-                "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
                 "devices": [{"name": "probe-0"}],
             },
         }))?)
@@ -348,6 +351,17 @@ async fn refusals(c: &Cluster, admin: &Client, plugin: &Pod, sa: &str) -> R<()> 
         "a slice of another driver".into(),
         r,
         "may only write ResourceSlices of driver gpu.carve.dev",
+    ));
+    let mut foreign_pool = slice("carve-e2e-grant-pool", cluster::NODE, DRIVER)?;
+    foreign_pool.spec.pool.name = OTHER_NODE.into();
+    let r = slices
+        .create(&PostParams::default(), &foreign_pool)
+        .await
+        .map(drop);
+    checks.push((
+        "a slice of its node under another node's pool".into(),
+        r,
+        "may only write ResourceSlices of its own pool",
     ));
     let claims: Api<ResourceClaim> = Api::namespaced(me.clone(), NS);
     let r = claims
@@ -452,26 +466,48 @@ async fn refusals(c: &Cluster, admin: &Client, plugin: &Pod, sa: &str) -> R<()> 
         )
         .await
         .map(drop);
-    let mut wider_before_136 = Vec::new();
-    for (what, r) in [
-        ("another driver's device status", other_driver),
-        ("the device status of a claim on another node", other_node),
-    ] {
-        if minor >= 36 {
-            checks.push((
-                what.into(),
-                r,
-                "requires resource=\"resourceclaims/driver\"",
-            ));
-        } else if let Err(e) = r {
-            return Err(format!(
-                "Kubernetes 1.{minor} has no per-driver status check, yet it refused {what}: {e}"
-            )
-            .into());
-        } else {
-            wider_before_136.push(what);
-        }
-    }
+    // Clearing the reservation of a claim: its devices would be handed out
+    // again under a running pod.
+    let cleared = claims
+        .patch_status(
+            "carve-e2e-grant-here",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"reservedFor": [
+                {"resource": "pods", "name": "carve-e2e-probe", "uid": "00000000-0000-0000-0000-000000000001"},
+            ]}})),
+        )
+        .await
+        .map(drop);
+    // From 1.36 the API server refuses these itself (the registry's status
+    // check runs before admission); before, the chart's claim-status policy.
+    let (driver_msg, node_msg, binding_msg) = if minor >= 36 {
+        (
+            "requires resource=\"resourceclaims/driver\"",
+            "requires resource=\"resourceclaims/driver\"",
+            "requires resource=\"resourceclaims/binding\"",
+        )
+    } else {
+        (
+            "may only change status.devices entries of driver gpu.carve.dev",
+            "may only write the status of claims allocated on that node",
+            "may not change status.allocation or status.reservedFor",
+        )
+    };
+    checks.push((
+        "another driver's device status".into(),
+        other_driver,
+        driver_msg,
+    ));
+    checks.push((
+        "the device status of a claim on another node".into(),
+        other_node,
+        node_msg,
+    ));
+    checks.push((
+        "changing a claim's reservedFor".into(),
+        cleared,
+        binding_msg,
+    ));
     for name in ["carve-e2e-grant-here", "carve-e2e-grant-there"] {
         admin_claims.delete(name, &DeleteParams::default()).await?;
     }
@@ -501,11 +537,5 @@ async fn refusals(c: &Cluster, admin: &Client, plugin: &Pod, sa: &str) -> R<()> 
             .collect::<Vec<_>>()
             .join("; ")
     ));
-    if !wider_before_136.is_empty() {
-        say(&format!(
-            "Kubernetes 1.{minor} lets it write {} (no resourceclaims/driver check before 1.36)",
-            wider_before_136.join(" and ")
-        ));
-    }
     Ok(())
 }

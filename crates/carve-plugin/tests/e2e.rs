@@ -251,6 +251,82 @@ async fn registration_versions_status_and_v1beta1() {
     p.stop().await;
 }
 
+/// Another driver's `status.devices` entry, written between the plugin's
+/// read of the claim and its status write, survives that write: the plugin
+/// applies its own entries under its own field manager (server-side apply)
+/// instead of writing back the list it read. The stand-in holds the
+/// plugin's write for 3 s after it arrives; the other driver applies its
+/// entry meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_write_keeps_another_drivers_entry_written_meanwhile() {
+    use kube::api::{Api, Patch, PatchParams};
+    let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);
+    let api = api().await;
+    let p = Running::start(&node, &api, node.config.clone()).await;
+    let c = put_device_claim(&api, "c", "u-1", "gpu-0-mig-1g10gb-2");
+    api.inject(carve_apiserver::Fault::DelayNext {
+        count: 1,
+        delay: std::time::Duration::from_secs(3),
+        writes_only: true,
+        resource: Some("resourceclaims".into()),
+    });
+    let r = p
+        .kubelet
+        .prepare_v1beta1(std::slice::from_ref(&c))
+        .await
+        .unwrap();
+    assert_eq!(r.claims["u-1"].error, "");
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let other = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "default"},
+        "status": {"devices": [{"driver": "net.example.com", "pool": NODE, "device": "nic-0",
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Up", "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z"}]}]},
+    });
+    let claims: Api<k8s_openapi::api::resource::v1::ResourceClaim> =
+        Api::namespaced(api.client(), "default");
+    claims
+        .patch_status(
+            "c",
+            &PatchParams::apply("net.example.com"),
+            &Patch::Apply(&other),
+        )
+        .await
+        .unwrap();
+    let drivers = || -> Vec<String> {
+        let obj = api
+            .store()
+            .get(Resource::ResourceClaims, Some("default"), "c")
+            .unwrap();
+        let mut d: Vec<String> = obj["status"]["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| e["driver"].as_str().unwrap_or_default().to_string())
+            .collect();
+        d.sort();
+        d
+    };
+    eventually("carve's device status", || {
+        drivers().contains(&"gpu.carve.dev".to_string())
+    })
+    .await;
+    assert_eq!(drivers(), ["gpu.carve.dev", "net.example.com"]);
+    // Each entry is its manager's.
+    let obj = claim_with_status(&api, "c").await;
+    let managers: Vec<&str> = obj["metadata"]["managedFields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["manager"].as_str().unwrap())
+        .collect();
+    assert!(managers.contains(&"gpu.carve.dev"), "{managers:?}");
+    assert!(managers.contains(&"net.example.com"), "{managers:?}");
+    unprepare_ok(&p.kubelet, &c).await;
+    p.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_update_sockets_carry_the_pod_uid() {
     let node = Node::new(vec![GpuEntry::new("h100-80gb", 1, true)]);

@@ -1,5 +1,6 @@
 //! The claim-status writer: after a prepare, the claim's `status.devices`
-//! is written in the background (for people and tools; the kubelet does not
+//! is written in the background (server-side apply under the driver's own
+//! field manager) (for people and tools; the kubelet does not
 //! wait for it), and a claim's unprepare, or a stopping plugin, waits for
 //! the write still in flight ([`STATUS_SETTLE`]).
 
@@ -28,11 +29,15 @@ impl Driver {
             return;
         };
         let (name, uid, label) = (claim.name.clone(), claim.uid.clone(), claim.to_string());
+        let manager = self.config.driver_name.clone();
         let permits = self.api_calls.clone();
         let timeout = self.config.api_timeout;
         let task = tokio::spawn(async move {
-            let params = PatchParams::default();
-            let patch = Patch::Merge(&patch);
+            // The field manager is the driver's name; force: these entries
+            // are this driver's alone (an older carve wrote them with a
+            // merge patch, under another manager).
+            let params = PatchParams::apply(&manager).force();
+            let patch = Patch::Apply(&patch);
             let write = api.patch_status(&name, &params, &patch);
             if let Err(e) = crate::api::bounded(&permits, timeout, write).await {
                 tracing::warn!(claim.uid = %uid, claim = %label, error = %e, "writing device status failed; the claim stays prepared");
@@ -87,8 +92,13 @@ impl Driver {
         }
     }
 
-    /// The merge patch of the claim's `status.devices`: other drivers'
-    /// entries kept, this driver's replaced by what the claim now holds.
+    /// The server-side apply configuration of the claim's `status.devices`:
+    /// this driver's entries, what the claim now holds. Applied under the
+    /// driver's own field manager, the API server keeps every other
+    /// driver's entries (they are other managers' fields) and drops only
+    /// entries this driver applied before and no longer lists. A merge
+    /// patch would replace the whole list: an entry another driver wrote
+    /// between our read and our write would be lost.
     async fn status_patch(
         &self,
         rc: &ResourceClaim,
@@ -98,20 +108,15 @@ impl Driver {
             let st = self.state.lock().await;
             st.claims.get(&claim.uid)?.devices.clone()
         };
-        let mut entries: Vec<serde_json::Value> = rc
-            .status
-            .as_ref()
-            .and_then(|s| s.devices.as_ref())
-            .map(|v| {
-                v.iter()
-                    .filter(|d| d.driver != self.config.driver_name)
-                    .filter_map(|d| serde_json::to_value(d).ok())
-                    .collect()
-            })
-            .unwrap_or_default();
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
-        entries.extend(devices.iter().map(|d| self.status_entry(d, &now)));
-        Some(serde_json::json!({"status": {"devices": entries}}))
+        let entries: Vec<serde_json::Value> =
+            devices.iter().map(|d| self.status_entry(d, &now)).collect();
+        Some(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": rc.metadata.name, "namespace": rc.metadata.namespace},
+            "status": {"devices": entries},
+        }))
     }
 
     /// One device's `status.devices` entry: its identity, a `Ready`

@@ -758,7 +758,10 @@ async fn examples(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
 }
 
 /// The MPS control daemons running on the host (the double's processes;
-/// the plugin runs them in the host's PID namespace).
+/// the plugin runs them in the host's PID namespace): the control binary
+/// run as a daemon (`-d`, or `-f` once the double re-executed itself in
+/// the foreground). The same binary run as a client (the plugin's commands
+/// to a daemon, no flag) lives for a moment and is not a daemon.
 fn mps_daemons() -> Vec<i32> {
     let name = Path::new(MPS_CONTROL)
         .file_name()
@@ -771,8 +774,10 @@ fn mps_daemons() -> Vec<i32> {
         .filter_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let arg0 = cmdline.split(|b| *b == 0).next()?;
-            arg0.ends_with(&name).then_some(pid)
+            let mut args = cmdline.split(|b| *b == 0);
+            let arg0 = args.next()?;
+            let daemon = args.any(|a| a == b"-d" || a == b"-f");
+            (arg0.ends_with(&name) && daemon).then_some(pid)
         })
         .collect()
 }

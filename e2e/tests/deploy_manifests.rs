@@ -648,7 +648,7 @@ fn check_common(m: &Manifests) {
     for want in [
         "request.userInfo.extra[?'authentication.kubernetes.io/node-name']",
         "spec.?nodeName",
-        "spec.pool.name == variables.userNodeName",
+        "variables.slice.spec.pool.name == variables.userNodeName",
         &format!("spec.driver == \"{DRIVER}\""),
         "allNodes",
         "nodeSelector",
@@ -1627,9 +1627,15 @@ fn admission_policy_confines_the_plugin_to_its_node_and_driver() {
     let mut pool = own_slice("node-a");
     pool["spec"]["pool"]["name"] = Json::from("node-b");
     denied(
-        plugin("CREATE", a, pool, Json::Null),
+        plugin("CREATE", a, pool.clone(), Json::Null),
         "of its own pool 'node-a', not 'node-b'",
     );
+    denied(
+        plugin("UPDATE", a, pool.clone(), own_slice("node-a")),
+        "of its own pool 'node-a', not 'node-b'",
+    );
+    // Deleting such a stray slice of its node is how it cleans up.
+    assert_eq!(plugin("DELETE", a, Json::Null, pool), Admission::Allowed);
 
     // Another driver.
     let mut foreign = own_slice("node-a");

@@ -247,6 +247,10 @@ struct SourcedClaim {
     /// The Pod of the same file whose `spec.resourceClaims` names it (the
     /// claim is reserved for it); `None`: a made-up `<claim>-pod`.
     pod: Option<String>,
+    /// One of the built-in examples (not a `--claims` one): where the node
+    /// shape or `--sharing` leaves it no device, that is said and does not
+    /// fail the run.
+    builtin: bool,
 }
 
 impl SourcedClaim {
@@ -272,6 +276,8 @@ impl SourcedClaim {
 struct ClaimSet {
     claims: Vec<SourcedClaim>,
     classes: Vec<DeviceClass>,
+    /// The classes the run's `--sharing` leaves without devices, and why.
+    off: BTreeMap<String, String>,
 }
 
 /// Run `carve simulate`.
@@ -287,7 +293,8 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
             sharing_list(&args.sharing)
         );
     }
-    let set = load_claims(args.claims.as_deref())?;
+    let mut set = load_claims(args.claims.as_deref())?;
+    set.off = classes_off_by_sharing(&args.sharing);
     if let Some(svg) = &args.svg {
         check_output_dir(svg)?;
     }

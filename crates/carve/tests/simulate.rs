@@ -575,7 +575,7 @@ fn mps_examples() -> tempfile::TempDir {
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
     for name in ["mps-share", "mps-hard-limit"] {
         std::fs::copy(
-            examples.join(name).join("claim.yaml"),
+            examples.join(name).join("pod.yaml"),
             dir.path().join(format!("{name}.yaml")),
         )
         .unwrap();
@@ -917,7 +917,7 @@ fn claims_dir(names: &[&str]) -> String {
         let src = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../examples")
             .join(n)
-            .join("claim.yaml");
+            .join("pod.yaml");
         std::fs::copy(src, dir.join(format!("{n}.yaml"))).unwrap();
     }
     dir.display().to_string()

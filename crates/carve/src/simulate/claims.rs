@@ -360,7 +360,13 @@ pub(super) fn unfit(
             unexplained = true;
         }
     }
-    let mut lines = reasons.clone();
+    let explained = !missing.is_empty() && !unexplained;
+    // Said once: in the `(as expected ...)` line of a built-in example.
+    let mut lines = if explained && c.builtin {
+        Vec::new()
+    } else {
+        reasons.clone()
+    };
     let classes = claim_classes(&c.claim);
     // A MIG class with devices, where the claim still found none: most often
     // a profile name of another GPU model.
@@ -373,7 +379,7 @@ pub(super) fn unfit(
     }
     let expected = if !c.builtin {
         None
-    } else if !missing.is_empty() && !unexplained {
+    } else if explained {
         Some(reasons.join("; "))
     } else {
         STAYS_PENDING

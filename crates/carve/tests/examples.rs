@@ -67,6 +67,10 @@ const SHARING: &[(&str, &str)] = &[
     ("mig-mps", "mig-mps"),
 ];
 
+/// A node shape: simulate's arguments, and the examples that cannot fit
+/// there with what the run must say about each.
+type Shape<'a> = (Vec<&'a str>, Vec<(&'a str, String)>);
+
 /// The first line of claim `name`'s block: `- default/NAME (examples/...): ...`.
 fn head<'a>(out: &'a str, name: &str) -> &'a str {
     let start = format!("- default/{name} (examples/{name}/pod.yaml): ");
@@ -87,10 +91,8 @@ fn expected_line<'a>(out: &'a str, name: &str) -> Option<&'a str> {
 
 #[test]
 fn every_example_that_fits_a_node_shape_is_prepared_and_the_rest_say_why() {
-    // (simulate's arguments, examples that cannot fit there with what the
-    // run must say about each).
     let mig_off_a100 = "no GPU of this node publishes MIG partitions: NVIDIA A100-SXM4-40GB (MIG mode off, and on this architecture turning it on needs a GPU reset";
-    let shapes: Vec<(Vec<&str>, Vec<(&str, String)>)> = vec![
+    let shapes: Vec<Shape> = vec![
         (vec![], vec![]),
         (vec!["--gpus", "h200:8"], vec![]),
         (vec!["--gpus", "h100-80gb:1,h200:4"], vec![]),
@@ -280,12 +282,7 @@ fn explain_reads_every_example_as_a_user_passes_it() {
     // next to it is not an error.
     for name in example_names() {
         let p = examples_dir().join(&name).join("pod.yaml");
-        let r = carve(&[
-            "explain",
-            p.to_str().unwrap(),
-            "--simulate-gpus",
-            "h200:1",
-        ]);
+        let r = carve(&["explain", p.to_str().unwrap(), "--simulate-gpus", "h200:1"]);
         assert!(r.stderr.is_empty(), "{name}: {}", r.context());
         assert!(
             r.stdout.starts_with("claim ") && r.stdout.lines().next().unwrap().contains(&name),

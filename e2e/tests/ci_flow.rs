@@ -2,7 +2,7 @@
 //! process on the NVML simulator, the API-server stand-in, the offline
 //! allocator and a fake kubelet on the real sockets.
 //!
-//! Every example claim in `examples/*/claim.yaml` goes through publish →
+//! Every example claim (the ResourceClaimTemplate of `examples/*/pod.yaml`) goes through publish →
 //! allocate → `status.allocation` → NodePrepareResources → CDI and GPU-instance
 //! checks → NodeUnprepareResources. Then two crash tests: `kill -9` between
 //! operations, and an abort inside a prepare (right after the GPU instance was
@@ -41,7 +41,7 @@ fn examples() -> Vec<(String, ResourceClaim)> {
     let dir = workspace_root().join("examples");
     let mut out = Vec::new();
     for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-        let p = e.unwrap().path().join("claim.yaml");
+        let p = e.unwrap().path().join("pod.yaml");
         if !p.is_file() {
             continue;
         }
@@ -63,7 +63,7 @@ fn examples() -> Vec<(String, ResourceClaim)> {
         assert_eq!(
             claims.len(),
             1,
-            "{} must hold exactly one ResourceClaim",
+            "{} must hold exactly one ResourceClaimTemplate",
             p.display()
         );
         out.push((name, claims.into_iter().next().unwrap()));

@@ -102,7 +102,7 @@ async fn create_classes(api: &ApiServer) -> Vec<DeviceClass> {
 }
 
 fn whole_gpu_claim() -> ResourceClaim {
-    let path = workspace_root().join("examples/whole-gpu/claim.yaml");
+    let path = workspace_root().join("examples/whole-gpu/pod.yaml");
     load_yaml_documents(&path)
         .unwrap_or_else(|e| panic!("{e}"))
         .into_iter()

@@ -59,7 +59,7 @@ async fn allocated_claim(
     let slices = carve_e2e::wait_published(node, &api.store())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let path = workspace_root().join("examples/mig-1g/claim.yaml");
+    let path = workspace_root().join("examples/mig-1g/pod.yaml");
     let mut claim = load_yaml_documents(&path)
         .unwrap_or_else(|e| panic!("{e}"))
         .into_iter()

@@ -14,10 +14,13 @@ use common::*;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 fn example(dir: &str) -> ResourceClaim {
-    match load(&[examples().join(dir).join("claim.yaml")]).pop() {
-        Some(Object::Claim(c)) => c,
-        other => panic!("{dir}: {other:?}"),
-    }
+    // The example's ResourceClaimTemplate (the Pod that names it follows).
+    let objs = load(&[examples().join(dir).join("pod.yaml")]);
+    let claim = objs.into_iter().find_map(|o| match o {
+        Object::Claim(c) => Some(c),
+        _ => None,
+    });
+    claim.unwrap_or_else(|| panic!("{dir}: no ResourceClaimTemplate"))
 }
 
 /// Two H100s with every MIG placement; GPU 1 also gets an MPS device with the

@@ -15,9 +15,10 @@ fn reads_every_kind_and_sorts_claims() {
     let objs = common::load(&[
         common::fixture("partitions-135.yaml"),
         common::fixture("classes.yaml"),
-        common::examples().join("whole-gpu/claim.yaml"),
+        common::examples().join("whole-gpu/pod.yaml"),
     ]);
-    assert_eq!(objs.len(), 2 + 4 + 1);
+    // The whole-gpu example: its ResourceClaimTemplate and its Pod.
+    assert_eq!(objs.len(), 2 + 4 + 2);
     let (inputs, pending) = Inputs::from_objects(objs);
     assert_eq!(
         (

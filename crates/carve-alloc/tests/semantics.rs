@@ -185,7 +185,7 @@ fn first_available_falls_back_in_order() {
         .allocate_and_commit(&claim_of("blockers", &blockers), "node-a")
         .unwrap();
     assert_eq!(picks(&r).len(), 6);
-    let objs = load(&[examples().join("mig-first-available/claim.yaml")]);
+    let objs = load(&[examples().join("mig-first-available/pod.yaml")]);
     let carve_alloc::Object::Claim(c) = objs.into_iter().next().unwrap() else {
         panic!()
     };
@@ -217,7 +217,7 @@ fn match_attribute_backtracks_to_a_common_parent() {
         picks(&r),
         pairs(&[("a", "gpu-0-mig-3g40gb-0"), ("b", "gpu-0-mig-1g10gb-6")])
     );
-    let objs = load(&[examples().join("mig-same-parent/claim.yaml")]);
+    let objs = load(&[examples().join("mig-same-parent/pod.yaml")]);
     let carve_alloc::Object::Claim(mut c) = objs.into_iter().next().unwrap() else {
         panic!()
     };

@@ -374,7 +374,7 @@ mod tests {
 
     #[test]
     fn example_claim_fits_on_the_simulated_node() {
-        let claim = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/mig-1g/claim.yaml");
+        let claim = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/mig-1g/pod.yaml");
         let (text, fits) = run(&args(claim, "h100-80gb:1")).unwrap();
         assert!(fits, "{text}");
         assert!(text.contains("gpu-0-mig-1g10gb-"), "{text}");

@@ -155,7 +155,7 @@ fn the_readmes_mps_snippets_get_the_device_kind_they_say_in_explain() {
 fn the_mps_share_example_gets_a_whole_gpu_share_in_explain() {
     let dir = tempfile::tempdir().unwrap();
     let state = sharing_node(dir.path(), "h100-80gb:2");
-    let got = explain_on(&repo("examples/mps-share/claim.yaml"), &state, dir.path());
+    let got = explain_on(&repo("examples/mps-share/pod.yaml"), &state, dir.path());
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(whole_gpu_mps(&got[0]), "{got:?}");
 }

@@ -37,7 +37,7 @@ fn example(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../examples")
         .join(name)
-        .join("claim.yaml")
+        .join("pod.yaml")
         .to_string_lossy()
         .into_owned()
 }

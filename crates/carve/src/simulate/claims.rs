@@ -24,12 +24,16 @@ pub(super) fn load_claims(dir: Option<&Path>) -> anyhow::Result<ClaimSet> {
     let mut set = ClaimSet {
         claims: Vec::new(),
         classes: embedded_classes()?,
+        off: BTreeMap::new(),
     };
     match dir {
         None => {
             for (source, text) in EXAMPLES {
                 let objs = carve_alloc::parse_yaml_documents(Path::new(source), text)?;
                 add_objects(&mut set, source, objs)?;
+            }
+            for c in &mut set.claims {
+                c.builtin = true;
             }
         }
         Some(dir) => {
@@ -115,6 +119,7 @@ pub(super) fn add_objects(
                     source: source.to_string(),
                     claim: c,
                     pod: None,
+                    builtin: false,
                 };
                 if let Some(old) = set
                     .claims
@@ -221,4 +226,166 @@ pub(super) fn claim_classes(c: &ResourceClaim) -> Vec<String> {
         }
     }
     out
+}
+
+// === claims that do not fit ===
+
+/// The device classes that `sharing` (the run's `--sharing`) leaves without
+/// devices, each with what the node lacks and the flag that turns it on.
+pub(super) fn classes_off_by_sharing(sharing: &[SimSharing]) -> BTreeMap<String, String> {
+    let list = sharing_list(sharing);
+    [
+        (
+            "mps.gpu.carve.dev",
+            SimSharing::Mps,
+            "MPS shares of whole GPUs",
+        ),
+        (
+            "mig-mps.gpu.carve.dev",
+            SimSharing::MigMps,
+            "MPS shares of MIG partitions",
+        ),
+        (
+            "timeslice.gpu.carve.dev",
+            SimSharing::Timeslice,
+            "time-sliced GPUs",
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, kind, _)| !sharing.contains(kind))
+    .map(|(class, kind, what)| {
+        let flag = kind.flag().unwrap_or("none");
+        (
+            class.to_string(),
+            format!(
+                "this node publishes no {what}: this run has --sharing {list}; add {flag} to --sharing to publish them (the default is --sharing mps,mig-mps,timeslice)"
+            ),
+        )
+    })
+    .collect()
+}
+
+/// What a claim that found no device, or did not fit, is told besides the
+/// allocator's reasons, and whether a built-in example's pending is what
+/// this node shape or the run's flags make of it.
+#[derive(Debug, Default)]
+pub(super) struct Unfit {
+    /// Lines to show under the claim.
+    pub(super) lines: Vec<String>,
+    /// Why a built-in example cannot fit here (it then does not fail the
+    /// run); `None` for claims the user gave and for unexplained misfits.
+    pub(super) expected: Option<String>,
+}
+
+/// MIG partitions are published only where a GPU is MIG-capable and its MIG
+/// mode can be switched without a reset: why a node has none.
+fn why_no_mig(node: &Node) -> String {
+    let mut why: Vec<String> = Vec::new();
+    for (i, spec) in node.specs.iter().enumerate() {
+        let reason = if !spec.mig_capable {
+            "not MIG-capable"
+        } else if spec.architecture.mig_mode_needs_reset()
+            && !node.mig_at_start.get(i).copied().unwrap_or(false)
+        {
+            "MIG mode off, and on this architecture turning it on needs a GPU reset, which carve does not do"
+        } else {
+            continue;
+        };
+        let line = format!("{} ({reason})", spec.product_name);
+        if !why.contains(&line) {
+            why.push(line);
+        }
+    }
+    if why.is_empty() {
+        "no GPU of this node publishes MIG partitions".into()
+    } else {
+        format!(
+            "no GPU of this node publishes MIG partitions: {}",
+            why.join("; ")
+        )
+    }
+}
+
+/// The MIG profiles this node publishes, per product, smallest first:
+/// `H100 80GB HBM3: 1g.10gb, ...`.
+pub(super) fn node_profiles(slices: &[ResourceSlice]) -> Vec<String> {
+    let mut by_product: BTreeMap<String, BTreeSet<(i64, i64, String)>> = BTreeMap::new();
+    for d in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+        let Some(a) = d.attributes.as_ref() else {
+            continue;
+        };
+        let text = |k: &str| a.get(k).and_then(|v| v.string.clone());
+        let int = |k: &str| a.get(k).and_then(|v| v.int).unwrap_or_default();
+        if text("type").as_deref() != Some("mig") {
+            continue;
+        }
+        let Some(profile) = text("profile") else {
+            continue;
+        };
+        by_product
+            .entry(text("productName").unwrap_or_else(|| "GPU".into()))
+            .or_default()
+            .insert((int("memorySlices"), int("computeSlices"), profile));
+    }
+    by_product
+        .into_iter()
+        .map(|(product, ps)| {
+            let names: Vec<String> = ps.into_iter().map(|(_, _, p)| p).collect();
+            format!("{product}: {}", names.join(", "))
+        })
+        .collect()
+}
+
+const MIG_CLASSES: [&str; 2] = ["mig.gpu.carve.dev", "mig-mps.gpu.carve.dev"];
+
+/// What to tell about claim `c` that did not fit on the node of `slices`,
+/// `missing` being the classes it names that have no published device and
+/// `off` the classes the run's `--sharing` leaves without devices.
+pub(super) fn unfit(
+    node: &Node,
+    slices: &[ResourceSlice],
+    c: &SourcedClaim,
+    missing: &[String],
+    off: &BTreeMap<String, String>,
+) -> Unfit {
+    let profiles = node_profiles(slices);
+    let mut reasons: Vec<String> = Vec::new();
+    let mut unexplained = false;
+    for class in missing {
+        if let Some(why) = off.get(class) {
+            reasons.push(format!("{class}: {why}"));
+        } else if MIG_CLASSES.contains(&class.as_str()) && profiles.is_empty() {
+            reasons.push(format!("{class}: {}", why_no_mig(node)));
+        } else {
+            unexplained = true;
+        }
+    }
+    let explained = !missing.is_empty() && !unexplained;
+    // Said once: in the `(as expected ...)` line of a built-in example.
+    let mut lines = if explained && c.builtin {
+        Vec::new()
+    } else {
+        reasons.clone()
+    };
+    let classes = claim_classes(&c.claim);
+    // A MIG class with devices, where the claim still found none: most often
+    // a profile name of another GPU model.
+    let names_mig = classes
+        .iter()
+        .any(|k| MIG_CLASSES.contains(&k.as_str()) && !missing.contains(k));
+    if names_mig && !profiles.is_empty() {
+        lines.push("MIG profiles on this node (profile names differ between GPU models; select on memory or computeSlices to fit any model):".into());
+        lines.extend(profiles.iter().map(|p| format!("  {p}")));
+    }
+    let expected = if !c.builtin {
+        None
+    } else if explained {
+        Some(reasons.join("; "))
+    } else {
+        STAYS_PENDING
+            .iter()
+            .find(|(src, _)| *src == c.source)
+            .map(|(_, why)| (*why).to_string())
+    };
+    Unfit { lines, expected }
 }

@@ -119,6 +119,8 @@ pub(super) struct Session<'a> {
     pub(super) kubelet: FakeKubelet,
     pub(super) slices: Vec<ResourceSlice>,
     pub(super) classes: &'a [DeviceClass],
+    /// The classes `--sharing` leaves without devices, and why.
+    pub(super) off: &'a BTreeMap<String, String>,
 }
 
 impl std::fmt::Debug for Session<'_> {
@@ -391,6 +393,7 @@ pub(super) async fn with_plugin(
         kubelet,
         slices,
         classes: &set.classes,
+        off: &set.off,
     };
     let mut prepared: Vec<Prepared> = Vec::new();
     let mut failures: Vec<String> = Vec::new();
@@ -487,8 +490,12 @@ pub(super) async fn apply_all(
                         missing.join(", ")
                     ));
                 }
-                match STAYS_PENDING.iter().find(|(src, _)| *src == c.source) {
-                    Some((_, why)) => say(&format!("  (as expected: {why})")),
+                let unfit = unfit(s.node, &s.slices, c, &missing, s.off);
+                for l in &unfit.lines {
+                    say(&format!("  {l}"));
+                }
+                match unfit.expected {
+                    Some(why) => say(&format!("  (as expected on this node: {why})")),
                     None => unplaced.push(c.name().to_string()),
                 }
                 continue;

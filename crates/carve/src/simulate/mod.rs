@@ -86,42 +86,42 @@ const EXPLAIN_LINES: usize = 8;
 /// Built-in examples that stay pending by design, and why: their pending is
 /// the result they show, not a failure of the run.
 const STAYS_PENDING: &[(&str, &str)] = &[(
-    "examples/mps-hard-limit/claim.yaml",
+    "examples/mps-hard-limit/pod.yaml",
     "the simulated node has no memory partitioning (its cgroup tree has no dmem controller and no nvidia-smi is configured), so no device publishes mpsMemoryLimit hard and a claim that demands it stays pending",
 )];
 
 const EXAMPLES: &[(&str, &str)] = &[
     (
-        "examples/mig-1g/claim.yaml",
-        include_str!("../../../../examples/mig-1g/claim.yaml"),
+        "examples/mig-1g/pod.yaml",
+        include_str!("../../../../examples/mig-1g/pod.yaml"),
     ),
     (
-        "examples/mig-same-parent/claim.yaml",
-        include_str!("../../../../examples/mig-same-parent/claim.yaml"),
+        "examples/mig-same-parent/pod.yaml",
+        include_str!("../../../../examples/mig-same-parent/pod.yaml"),
     ),
     (
-        "examples/mig-by-memory/claim.yaml",
-        include_str!("../../../../examples/mig-by-memory/claim.yaml"),
+        "examples/mig-by-memory/pod.yaml",
+        include_str!("../../../../examples/mig-by-memory/pod.yaml"),
     ),
     (
-        "examples/mig-first-available/claim.yaml",
-        include_str!("../../../../examples/mig-first-available/claim.yaml"),
+        "examples/mig-first-available/pod.yaml",
+        include_str!("../../../../examples/mig-first-available/pod.yaml"),
     ),
     (
-        "examples/whole-gpu/claim.yaml",
-        include_str!("../../../../examples/whole-gpu/claim.yaml"),
+        "examples/whole-gpu/pod.yaml",
+        include_str!("../../../../examples/whole-gpu/pod.yaml"),
     ),
     (
-        "examples/mps-share/claim.yaml",
-        include_str!("../../../../examples/mps-share/claim.yaml"),
+        "examples/mps-share/pod.yaml",
+        include_str!("../../../../examples/mps-share/pod.yaml"),
     ),
     (
-        "examples/mps-hard-limit/claim.yaml",
-        include_str!("../../../../examples/mps-hard-limit/claim.yaml"),
+        "examples/mps-hard-limit/pod.yaml",
+        include_str!("../../../../examples/mps-hard-limit/pod.yaml"),
     ),
     (
-        "examples/timeslice/claim.yaml",
-        include_str!("../../../../examples/timeslice/claim.yaml"),
+        "examples/timeslice/pod.yaml",
+        include_str!("../../../../examples/timeslice/pod.yaml"),
     ),
     (
         "examples/mig-mps/pod.yaml",
@@ -247,6 +247,10 @@ struct SourcedClaim {
     /// The Pod of the same file whose `spec.resourceClaims` names it (the
     /// claim is reserved for it); `None`: a made-up `<claim>-pod`.
     pod: Option<String>,
+    /// One of the built-in examples (not a `--claims` one): where the node
+    /// shape or `--sharing` leaves it no device, that is said and does not
+    /// fail the run.
+    builtin: bool,
 }
 
 impl SourcedClaim {
@@ -272,6 +276,8 @@ impl SourcedClaim {
 struct ClaimSet {
     claims: Vec<SourcedClaim>,
     classes: Vec<DeviceClass>,
+    /// The classes the run's `--sharing` leaves without devices, and why.
+    off: BTreeMap<String, String>,
 }
 
 /// Run `carve simulate`.
@@ -287,7 +293,8 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
             sharing_list(&args.sharing)
         );
     }
-    let set = load_claims(args.claims.as_deref())?;
+    let mut set = load_claims(args.claims.as_deref())?;
+    set.off = classes_off_by_sharing(&args.sharing);
     if let Some(svg) = &args.svg {
         check_output_dir(svg)?;
     }
@@ -425,7 +432,7 @@ mod tests {
     fn claims_dir_reads_files_and_subdirectories_in_name_order() {
         let d = tempfile::tempdir().unwrap();
         write(d.path(), "b.yaml", &claim("bee"));
-        write(d.path(), "a/claim.yaml", &claim("ay"));
+        write(d.path(), "a/pod.yaml", &claim("ay"));
         write(d.path(), "a/README.md", "not yaml");
         write(d.path(), "notes.txt", "ignored");
         write(
@@ -437,7 +444,7 @@ mod tests {
         let names: Vec<&str> = set.claims.iter().map(SourcedClaim::name).collect();
         assert_eq!(names, ["ay", "bee"]);
         assert!(
-            set.claims[0].source.ends_with("a/claim.yaml"),
+            set.claims[0].source.ends_with("a/pod.yaml"),
             "{}",
             set.claims[0].source
         );

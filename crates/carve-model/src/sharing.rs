@@ -961,7 +961,12 @@ mod tests {
         let (mem, sm) = spec.ranges().unwrap();
         let caps = d.capacity.as_ref().unwrap();
         for (name, max, value, unit) in [
-            (MEMORY, mem.max, mem.value, quantity::mebibytes as fn(u64) -> Quantity),
+            (
+                MEMORY,
+                mem.max,
+                mem.value,
+                quantity::mebibytes as fn(u64) -> Quantity,
+            ),
             (MULTIPROCESSORS, sm.max, sm.value, quantity::int),
         ] {
             let p = caps[name].request_policy.as_ref().unwrap();
@@ -984,12 +989,20 @@ mod tests {
         assert_eq!(l.memory_limit_mib, mem.max);
         assert_eq!(l.active_thread_percentage, 100);
         // v3: ranges, many claims.
-        let v3 = MpsDeviceSpec::whole(&g, CAPS).unwrap().device(&g, vec![]).unwrap();
+        let v3 = MpsDeviceSpec::whole(&g, CAPS)
+            .unwrap()
+            .device(&g, vec![])
+            .unwrap();
         assert_eq!(
-            v3.attributes.as_ref().unwrap()["mpsDaemon"].string.as_deref(),
+            v3.attributes.as_ref().unwrap()["mpsDaemon"]
+                .string
+                .as_deref(),
             Some("shared")
         );
-        let p = v3.capacity.as_ref().unwrap()[MEMORY].request_policy.clone().unwrap();
+        let p = v3.capacity.as_ref().unwrap()[MEMORY]
+            .request_policy
+            .clone()
+            .unwrap();
         assert!(p.valid_range.is_some() && p.valid_values.is_none());
     }
 

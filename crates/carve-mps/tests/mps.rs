@@ -1423,7 +1423,16 @@ fn v2_a_claims_container_reaches_only_its_own_daemon_and_a_second_claim_is_refus
     let support = detect(&node.cfg).unwrap();
     assert_eq!(support.protocol, Protocol::V2);
     let caps = support.capabilities();
+    // What the node publishes for a v2 unit: one claim (carve-model).
+    assert!(caps.one_claim_per_unit());
     let dev_a = MpsDeviceSpec::whole(&h100(), caps).unwrap();
+    let published = dev_a.device(&h100(), vec![]).unwrap();
+    assert_eq!(
+        published.attributes.as_ref().unwrap()["mpsDaemon"]
+            .string
+            .as_deref(),
+        Some("claim")
+    );
     let (dev_b, target_b) = second_unit(caps);
     let mut ca = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
     let mut cb = MpsControl::open(&node.cfg, &support, target_b).unwrap();
@@ -1498,6 +1507,7 @@ fn v3_a_claims_namespace_directory_reaches_no_control_command() {
     let node = Node::new(&[]);
     let support = detect(&node.cfg).unwrap();
     assert_eq!(support.protocol, Protocol::V3);
+    assert!(!support.capabilities().one_claim_per_unit());
     let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
     let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
     let a = c
@@ -1525,7 +1535,13 @@ fn v3_a_claims_namespace_directory_reaches_no_control_command() {
             "--server=carve",
             "--active-thread-percentage=100",
         ],
-        vec!["namespace", "delete", nb.as_str(), "--server=carve", "--force"],
+        vec![
+            "namespace",
+            "delete",
+            nb.as_str(),
+            "--server=carve",
+            "--force",
+        ],
     ] {
         let o = Command::new(FAKE)
             .env("CUDA_MPS_PIPE_DIRECTORY", &a_dir)

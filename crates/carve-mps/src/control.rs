@@ -19,12 +19,13 @@
 //!
 //! A v2 client finds its server through the daemon's pipe directory, the
 //! same directory that holds the daemon's `control` endpoint and pid file;
-//! NVIDIA's MPS documentation drives the daemon through that endpoint
-//! (`quit`, `set_active_thread_percentage <PID>`,
-//! `set_device_pinned_mem_limit <PID>`, `terminate_client`) with no check
-//! beyond the directory's permissions, which a root container meets. Any v2
-//! client can therefore stop MPS or change the limits of every client of the
-//! daemon. So a v2 unit's daemon serves one claim: [`MpsControl::add_client`]
+//! NVIDIA's MPS documentation ("Legacy MPS v2 Interface",
+//! docs.nvidia.com/deploy/mps; [V2] in `../shared/reference/mps-v3.md`)
+//! drives the daemon through that endpoint (`quit`,
+//! `set_active_thread_percentage <PID>`, `set_device_pinned_mem_limit
+//! <PID>`, `terminate_client`) with no check beyond the directory's
+//! permissions, which a root container meets. Any v2 client can therefore
+//! stop MPS or change the limits of every client of the daemon. So a v2 unit's daemon serves one claim: [`MpsControl::add_client`]
 //! refuses a share of a second claim ([`MpsError::V2UnitTaken`]), and the
 //! published v2 device lets one claim take the whole unit (see
 //! `carve_model::sharing`), as NVIDIA's DRA driver runs one daemon per

@@ -163,6 +163,29 @@ pub struct MpsCapabilities {
 }
 
 impl MpsCapabilities {
+    /// Whether a unit with these levels serves one claim at a time: MPS v2,
+    /// the only protocol carve runs with compute limit `client` (v3's
+    /// namespaces apply the percentage in the server). Under v2 every client
+    /// gets the daemon's pipe directory, which is its control endpoint, so a
+    /// client can `quit` the daemon or change every server's limits; carve
+    /// gives such a unit to one claim (see [`MpsDeviceSpec::device`]).
+    #[must_use]
+    pub fn one_claim_per_unit(self) -> bool {
+        self.compute_limit == ComputeLimit::Client
+    }
+
+    /// The `mpsDaemon` attribute: `claim` where the unit's control daemon
+    /// serves one claim whose containers can drive it (v2), `shared` where
+    /// it serves several claims, each confined to its namespace (v3).
+    #[must_use]
+    pub fn daemon_attribute(self) -> &'static str {
+        if self.one_claim_per_unit() {
+            "claim"
+        } else {
+            "shared"
+        }
+    }
+
     /// These levels on a MIG instance: memory partitioning does not support
     /// MIG, so memory is at most `client` there.
     #[must_use]
@@ -483,6 +506,7 @@ impl MpsDeviceSpec {
             "mpsComputeLimit".into(),
             a_str(self.caps.compute_limit.as_str()),
         );
+        attrs.insert("mpsDaemon".into(), a_str(self.caps.daemon_attribute()));
         match &self.mig {
             None => {
                 attrs.insert("type".into(), a_str("mps"));
@@ -505,12 +529,14 @@ impl MpsDeviceSpec {
                 attrs.insert("computeSlices".into(), a_int(p.compute_slices));
             }
         }
+        let policy = if self.caps.one_claim_per_unit() {
+            whole_unit_capacity
+        } else {
+            range_capacity
+        };
         let capacity = BTreeMap::from([
-            (MEMORY.to_string(), range_capacity(mem, quantity::mebibytes)),
-            (
-                MULTIPROCESSORS.to_string(),
-                range_capacity(sm, quantity::int),
-            ),
+            (MEMORY.to_string(), policy(mem, quantity::mebibytes)),
+            (MULTIPROCESSORS.to_string(), policy(sm, quantity::int)),
         ]);
         for (k, c) in &capacity {
             check_request_policy(k, c)?;
@@ -793,6 +819,23 @@ fn range_capacity(r: ShareRange, unit: fn(u64) -> Quantity) -> DeviceCapacity {
     }
 }
 
+/// One claim per unit (MPS v2, [`MpsCapabilities::one_claim_per_unit`]):
+/// the only valid amount is the largest share, and the default too, so any
+/// request is rounded up to it ("the smallest valid value that is greater
+/// than or equal to the request", `CapacityRequestPolicy.validValues`,
+/// resource.k8s.io/v1) and a second claim no longer fits the capacity the
+/// first consumed.
+fn whole_unit_capacity(r: ShareRange, unit: fn(u64) -> Quantity) -> DeviceCapacity {
+    DeviceCapacity {
+        value: unit(r.value),
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(unit(r.max)),
+            valid_values: Some(vec![unit(r.max)]),
+            valid_range: None,
+        }),
+    }
+}
+
 fn a_str(s: impl Into<String>) -> DeviceAttribute {
     DeviceAttribute {
         string: Some(s.into()),
@@ -901,6 +944,66 @@ mod tests {
             (MEMORY.to_string(), q(mem)),
             (MULTIPROCESSORS.to_string(), q(sm)),
         ])
+    }
+
+    #[test]
+    fn a_v2_unit_is_published_for_one_claim_and_v3_for_many() {
+        let g = gpu("h100-80gb");
+        let v2 = MpsCapabilities {
+            memory_limit: MemoryLimit::Client,
+            compute_limit: ComputeLimit::Client,
+        };
+        assert!(v2.one_claim_per_unit() && !CAPS.one_claim_per_unit());
+        let spec = MpsDeviceSpec::whole(&g, v2).unwrap();
+        let d = spec.device(&g, vec![]).unwrap();
+        let attrs = d.attributes.as_ref().unwrap();
+        assert_eq!(attrs["mpsDaemon"].string.as_deref(), Some("claim"));
+        let (mem, sm) = spec.ranges().unwrap();
+        let caps = d.capacity.as_ref().unwrap();
+        for (name, max, value, unit) in [
+            (
+                MEMORY,
+                mem.max,
+                mem.value,
+                quantity::mebibytes as fn(u64) -> Quantity,
+            ),
+            (MULTIPROCESSORS, sm.max, sm.value, quantity::int),
+        ] {
+            let p = caps[name].request_policy.as_ref().unwrap();
+            // Any request rounds up to the one valid value: the whole unit.
+            assert_eq!(p.valid_values.as_deref(), Some(&[unit(max)][..]), "{name}");
+            assert_eq!(p.default, Some(unit(max)), "{name}");
+            assert!(p.valid_range.is_none(), "{name}");
+            // A second claim's share does not fit beside the first's.
+            assert!(2 * max > value, "{name}: {max} twice fits in {value}");
+        }
+        // What the first claim consumed translates to the whole unit.
+        let l = translate(
+            &BTreeMap::from([
+                (MEMORY.to_string(), quantity::mebibytes(mem.max)),
+                (MULTIPROCESSORS.to_string(), quantity::int(sm.max)),
+            ]),
+            &spec,
+        )
+        .unwrap();
+        assert_eq!(l.memory_limit_mib, mem.max);
+        assert_eq!(l.active_thread_percentage, 100);
+        // v3: ranges, many claims.
+        let v3 = MpsDeviceSpec::whole(&g, CAPS)
+            .unwrap()
+            .device(&g, vec![])
+            .unwrap();
+        assert_eq!(
+            v3.attributes.as_ref().unwrap()["mpsDaemon"]
+                .string
+                .as_deref(),
+            Some("shared")
+        );
+        let p = v3.capacity.as_ref().unwrap()[MEMORY]
+            .request_policy
+            .clone()
+            .unwrap();
+        assert!(p.valid_range.is_some() && p.valid_values.is_none());
     }
 
     #[test]

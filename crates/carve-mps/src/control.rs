@@ -14,6 +14,26 @@
 //! limits with `namespace set`; the share's container gets only that
 //! namespace's pipe directory ([`crate::cdi`]). v2: per-share client
 //! variables under per-server ceilings.
+//!
+//! # v2: one claim per unit
+//!
+//! A v2 client finds its server through the daemon's pipe directory, the
+//! same directory that holds the daemon's `control` endpoint and pid file;
+//! NVIDIA's MPS documentation ("Legacy MPS v2 Interface",
+//! docs.nvidia.com/deploy/mps; [V2] in `../shared/reference/mps-v3.md`)
+//! drives the daemon through that endpoint (`quit`,
+//! `set_active_thread_percentage <PID>`, `set_device_pinned_mem_limit
+//! <PID>`, `terminate_client`) with no check beyond the directory's
+//! permissions, which a root container meets. Any v2 client can therefore
+//! stop MPS or change the limits of every client of the daemon. So a v2 unit's daemon serves one claim: [`MpsControl::add_client`]
+//! refuses a share of a second claim ([`MpsError::V2UnitTaken`]), and the
+//! published v2 device lets one claim take the whole unit (see
+//! `carve_model::sharing`), as NVIDIA's DRA driver runs one daemon per
+//! claim. The claim's own pods and containers share that daemon. Cost: one
+//! claim per GPU or MIG instance through MPS under v2.
+//!
+//! Signals go to the daemon identity carve recorded when it started the
+//! daemon (pid and start time), through `kill(2)` ([`crate::proc::kill`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -471,7 +491,12 @@ impl<'a> Daemon<'a> {
         let pid = std::fs::read_to_string(&pid_file)
             .ok()
             .and_then(|s| s.trim().parse::<u32>().ok());
-        let stat = pid.and_then(proc::stat);
+        // The pid file lies in the pipe directory, which a v2 claim's
+        // containers get read-write: a pid in it is only the daemon's if
+        // that process started after the command that launched it.
+        let stat = pid
+            .and_then(proc::stat)
+            .filter(|(_, t)| out.started.is_some_and(|s| *t >= s));
         match (ready, pid, stat) {
             (true, Some(pid), Some((_, start_time))) => {
                 tracing::info!(
@@ -490,9 +515,11 @@ impl<'a> Daemon<'a> {
                     cgroups: cgroups.to_vec(),
                 })
             }
-            (_, pid, _) => {
-                if let Some(pid) = pid {
-                    proc::kill(pid);
+            (_, pid, stat) => {
+                if let (Some(pid), Some((_, start_time))) = (pid, stat)
+                    && let Err(e) = proc::kill(pid, start_time)
+                {
+                    tracing::warn!(unit = self.unit, error = %e, "stopping an MPS daemon that did not get ready");
                 }
                 Err(MpsError::NotReady {
                     unit: self.unit.to_string(),
@@ -551,7 +578,9 @@ impl<'a> Daemon<'a> {
                     pid = id.pid,
                     "MPS daemon ignores quit; killing it"
                 );
-                proc::kill(id.pid);
+                if let Err(e) = proc::kill(id.pid, id.start_time) {
+                    tracing::warn!(unit = self.unit, error = %e, "killing the MPS daemon");
+                }
                 if !proc::wait_until(self.cfg.timeout, || !proc::alive(id.pid, id.start_time)) {
                     return Err(MpsError::StopTimeout {
                         unit: self.unit.to_string(),
@@ -931,6 +960,19 @@ impl MpsControl {
                 self.save()?;
             }
             return self.edits(&c).ok_or_else(|| self.no_pipe_dir(&c));
+        }
+        if self.protocol() == Protocol::V2
+            && let Some(holder) = self
+                .state
+                .clients
+                .values()
+                .find(|o| o.claim_uid != c.claim_uid)
+        {
+            return Err(MpsError::V2UnitTaken {
+                unit: self.target.unit.clone(),
+                claim: c.claim_uid,
+                holder: holder.claim_uid.clone(),
+            });
         }
         let _: Ensure = self.ensure_daemon()?;
         let applied = match self.protocol() {

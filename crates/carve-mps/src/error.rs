@@ -130,6 +130,20 @@ pub enum MpsError {
         /// Share ID.
         share: String,
     },
+    /// A second claim on a unit whose daemon speaks v2: its pipe directory,
+    /// which every client needs, is the daemon's control endpoint, so a v2
+    /// unit serves one claim ([`crate::control`]).
+    #[error(
+        "{unit}: claim {claim} refused: the unit's MPS control daemon speaks protocol v2 and already serves claim {holder}; under v2 every client reaches the daemon's control endpoint (quit, set_active_thread_percentage, set_device_pinned_mem_limit), so carve gives a v2 unit to one claim at a time (its pods may share it); use MPS v3 (driver r615 or later) for several claims on one unit"
+    )]
+    V2UnitTaken {
+        /// Shared device.
+        unit: String,
+        /// The refused claim.
+        claim: String,
+        /// The claim the unit serves.
+        holder: String,
+    },
     /// A claim or share id cannot be used in names and paths.
     #[error("{what} {value:?} is not a valid id (want 1-64 of [A-Za-z0-9_.-])")]
     BadId {

@@ -1250,13 +1250,18 @@ fn limit_text(l: &Limits, field: &str) -> String {
     }
 }
 
+/// SIGKILL the fake's own server processes, through `kill(2)` (no `kill`
+/// binary needed on `PATH`).
 fn kill_all(pids: &[u32]) {
     for p in pids {
-        let _ = Command::new("kill")
-            .args(["-KILL", &p.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        if let Ok(raw) = i32::try_from(*p)
+            && raw > 1
+        {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(raw),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }
 

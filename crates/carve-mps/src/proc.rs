@@ -1,5 +1,6 @@
-//! Process helpers without `libc`: liveness and start time from `/proc`,
-//! commands with a deadline, bounded waits on files.
+//! Process helpers: liveness and start time from `/proc`, signals through
+//! `kill(2)` (nix) to a recorded process identity, commands with a deadline,
+//! bounded waits on files.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -48,6 +49,9 @@ pub(crate) struct Output {
     pub status: ExitStatus,
     pub stdout: String,
     pub stderr: String,
+    /// Start time of the command's process (as [`stat`]); what it forks
+    /// starts no earlier.
+    pub started: Option<u64>,
 }
 
 /// Run `cmd` with `stdin` as its input; kill it after `timeout`.
@@ -72,6 +76,7 @@ pub(crate) fn run(mut cmd: Command, stdin: &str, timeout: Duration) -> Result<Ou
             Err(e) => return Err(format!("spawn: {e}")),
         }
     };
+    let started = stat(child.id()).map(|(_, t)| t);
     if let Some(mut w) = child.stdin.take() {
         // A command that exits without reading gives EPIPE; its status says more.
         let _ = w.write_all(stdin.as_bytes());
@@ -114,16 +119,57 @@ pub(crate) fn run(mut cmd: Command, stdin: &str, timeout: Duration) -> Result<Ou
         status,
         stdout: out.join().unwrap_or_default(),
         stderr: err.join().unwrap_or_default(),
+        started,
     })
 }
 
-/// Send SIGKILL to `pid` through `kill(1)` (no `libc` in this crate).
-pub(crate) fn kill(pid: u32) {
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+/// Why [`kill`] sent nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum SignalRefused {
+    /// 0, 1, carve itself or beyond `pid_t`: `kill(2)` would reach a process
+    /// group, init or carve.
+    #[error("pid {0} is not a process carve may signal")]
+    NotAProcess(u32),
+    /// No process with that pid started at the recorded time: it exited and
+    /// the pid may belong to another process now.
+    #[error("pid {pid} is not the process carve recorded (start time {start_time}): not signalled")]
+    NotTheRecorded {
+        /// The pid.
+        pid: u32,
+        /// The recorded start time.
+        start_time: u64,
+    },
+    /// `kill(2)` failed.
+    #[error("kill({pid}, SIGKILL): {errno}")]
+    Failed {
+        /// The pid.
+        pid: u32,
+        /// What the kernel said.
+        errno: nix::errno::Errno,
+    },
+}
+
+/// Send SIGKILL to the process carve recorded as `pid` started at
+/// `start_time` (`/proc/<pid>/stat` field 22), through `kill(2)` (nix): no
+/// `kill` binary on `PATH` is needed (the distroless image has none). A pid
+/// that no longer runs with that start time (exited, recycled) is refused, as
+/// are pids 0 and 1, negative `pid_t` (process groups) and carve's own.
+///
+/// # Errors
+/// [`SignalRefused`].
+pub(crate) fn kill(pid: u32, start_time: u64) -> Result<(), SignalRefused> {
+    let raw = i32::try_from(pid).map_err(|_| SignalRefused::NotAProcess(pid))?;
+    if raw <= 1 || pid == std::process::id() {
+        return Err(SignalRefused::NotAProcess(pid));
+    }
+    if !alive(pid, start_time) {
+        return Err(SignalRefused::NotTheRecorded { pid, start_time });
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(raw),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .map_err(|errno| SignalRefused::Failed { pid, errno })
 }
 
 /// Whether `path` is an executable regular file.
@@ -134,5 +180,37 @@ pub(crate) fn executable(path: &Path) -> Result<(), &'static str> {
         Ok(m) if !m.is_file() => Err("is not a file"),
         Ok(m) if m.permissions().mode() & 0o111 == 0 => Err("is not executable"),
         Ok(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt as _;
+
+    #[test]
+    fn kill_signals_only_the_recorded_process_through_kill_2() {
+        let mut child = Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        let (_, start) = stat(pid).unwrap();
+        // Another start time: a recycled pid, not the process carve started.
+        assert_eq!(
+            kill(pid, start + 1),
+            Err(SignalRefused::NotTheRecorded {
+                pid,
+                start_time: start + 1
+            })
+        );
+        assert!(alive(pid, start));
+        for p in [0, 1, std::process::id(), u32::MAX] {
+            assert_eq!(kill(p, start), Err(SignalRefused::NotAProcess(p)));
+        }
+        kill(pid, start).unwrap();
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        // Gone: nothing to signal.
+        assert!(matches!(
+            kill(pid, start),
+            Err(SignalRefused::NotTheRecorded { .. })
+        ));
     }
 }

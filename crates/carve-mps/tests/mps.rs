@@ -98,9 +98,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         for pid in self.daemons() {
-            let _ = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
+            sigkill(pid);
             carve_mps::fake::remove_shm_of(pid);
         }
         // A test that failed midway may leave a unit's tmpfs mounted.
@@ -113,6 +111,14 @@ impl Drop for Node {
             }
         }
     }
+}
+
+/// SIGKILL through `kill(2)`: these tests also run with no `kill` on `PATH`.
+fn sigkill(pid: u32) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    );
 }
 
 fn h100() -> PhysicalGpu {
@@ -442,7 +448,7 @@ fn remove_tree(d: &Path) {
     for _ in 0..200 {
         let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
         for pid in procs.split_whitespace() {
-            let _ = Command::new("kill").args(["-KILL", pid]).status();
+            sigkill(pid.parse().unwrap());
         }
         if std::fs::remove_dir(d).is_ok() || !d.exists() {
             return;
@@ -739,7 +745,7 @@ fn v3_several_claims_on_one_gpu_get_a_namespace_each_that_their_pods_connect_to(
 }
 
 #[test]
-fn v2_claims_get_client_variables_under_ceilings_set_on_the_running_server() {
+fn v2_shares_of_one_claim_get_client_variables_under_ceilings_set_on_the_running_server() {
     let node = Node::v2_only();
     let support = detect(&node.cfg).unwrap();
     assert_eq!(support.protocol, Protocol::V2);
@@ -769,10 +775,11 @@ fn v2_claims_get_client_variables_under_ceilings_set_on_the_running_server() {
             la.active_thread_percentage
         )
     );
-    // B is larger: set_default_* alone would leave the running server at
+    // Share s2 of the same claim (a v2 unit serves one claim, its pods may
+    // share it) is larger: set_default_* alone would leave the running server at
     // A's ceiling [V2]; carve sets it on the running server too.
     let b = c
-        .prepare(&dev, &cc("8Gi", "32"), "claim-b", "s1", None)
+        .prepare(&dev, &cc("8Gi", "32"), "claim-a", "s2", None)
         .unwrap();
     assert_eq!(
         client_of(&b, 0),
@@ -781,7 +788,7 @@ fn v2_claims_get_client_variables_under_ceilings_set_on_the_running_server() {
             lb.active_thread_percentage
         )
     );
-    c.remove_client("claim-b", "s1").unwrap();
+    c.remove_client("claim-a", "s2").unwrap();
     let pct = |l: &carve_model::sharing::MpsLimits| {
         format!(
             "cmd set_default_active_thread_percentage {}",
@@ -942,8 +949,8 @@ fn a_crashed_daemon_is_restarted_with_every_claims_limits() {
 }
 
 #[test]
-fn v2_crash_mid_command_keeps_the_other_claim_and_restarts_it_alone() {
-    // The fake dies when it sees claim B's share percentage.
+fn v2_crash_mid_command_keeps_the_other_share_and_restarts_it_alone() {
+    // The fake dies when it sees share s2's percentage.
     let node = Node::new(&[
         ("FAKE_MPS_MAX_PROTOCOL", "2"),
         (
@@ -962,7 +969,7 @@ fn v2_crash_mid_command_keeps_the_other_claim_and_restarts_it_alone() {
         .unwrap();
     let old = c.identity().unwrap().pid;
     let e = c
-        .prepare(&dev, &cc("4Gi", &half), "claim-b", "s1", None)
+        .prepare(&dev, &cc("4Gi", &half), "claim-a", "s2", None)
         .unwrap_err();
     assert!(matches!(e, MpsError::Command { .. }), "{e}");
     assert_eq!(c.clients().count(), 1);
@@ -1379,4 +1386,226 @@ fn on_the_hosts_cgroup_v1_tree_the_daemon_joins_every_hierarchy_cpuset_included(
         "{client}"
     );
     assert!(stopped, "the daemon stops with its last share");
+}
+
+/// The second GPU of a two-GPU node, its MPS device and target.
+fn second_unit(caps: carve_model::sharing::MpsCapabilities) -> (MpsDeviceSpec, MpsTarget) {
+    let mut g = simulated_node("h100-80gb", 2).unwrap().remove(1);
+    g.uuid = "GPU-99999999-2222-3333-4444-555555555555".into();
+    let dev = MpsDeviceSpec::whole(&g, caps).unwrap();
+    let t = MpsTarget {
+        unit: dev.name.clone(),
+        uuid: g.uuid.clone(),
+        pci_bus_id: None,
+        mig: false,
+    };
+    (dev, t)
+}
+
+/// The host directory a share's container reaches as its
+/// `CUDA_MPS_PIPE_DIRECTORY`.
+fn container_pipe(e: &carve_mps::ShareEdits) -> PathBuf {
+    let v = e
+        .env
+        .iter()
+        .find_map(|kv| kv.strip_prefix("CUDA_MPS_PIPE_DIRECTORY="))
+        .unwrap();
+    e.mounts
+        .iter()
+        .find(|m| m.container_path == v)
+        .map(|m| m.host_path.clone())
+        .unwrap()
+}
+
+#[test]
+fn v2_a_claims_container_reaches_only_its_own_daemon_and_a_second_claim_is_refused() {
+    let node = Node::v2_only();
+    let support = detect(&node.cfg).unwrap();
+    assert_eq!(support.protocol, Protocol::V2);
+    let caps = support.capabilities();
+    // What the node publishes for a v2 unit: one claim (carve-model).
+    assert!(caps.one_claim_per_unit());
+    let dev_a = MpsDeviceSpec::whole(&h100(), caps).unwrap();
+    let published = dev_a.device(&h100(), vec![]).unwrap();
+    assert_eq!(
+        published.attributes.as_ref().unwrap()["mpsDaemon"]
+            .string
+            .as_deref(),
+        Some("claim")
+    );
+    let (dev_b, target_b) = second_unit(caps);
+    let mut ca = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let mut cb = MpsControl::open(&node.cfg, &support, target_b).unwrap();
+    let a = ca
+        .prepare(&dev_a, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let b = cb
+        .prepare(&dev_b, &cc("4Gi", "16"), "claim-b", "s1", None)
+        .unwrap();
+
+    // A second claim on A's unit is refused before anything reaches the
+    // daemon, naming the unit, both claims and why.
+    let before_a = requests(&pipe(&ca));
+    let e = ca
+        .prepare(&dev_a, &cc("2Gi", "8"), "claim-b", "s2", None)
+        .unwrap_err();
+    assert!(matches!(e, MpsError::V2UnitTaken { .. }), "{e}");
+    let msg = e.to_string();
+    for w in ["gpu-0-mps", "claim-b", "claim-a", "v2", "quit"] {
+        assert!(msg.contains(w), "{w}: {msg}");
+    }
+    assert_eq!(requests(&pipe(&ca)), before_a);
+    assert_eq!(ca.clients().count(), 1);
+    // The same claim's other share is fine (its pods share the daemon).
+    ca.prepare(&dev_a, &cc("2Gi", "8"), "claim-a", "s2", None)
+        .unwrap();
+
+    // B's pod runs: its server and its limits.
+    let b_seen = client_of(&b, 0);
+    assert!(b_seen.contains("pinned=4096M"), "{b_seen}");
+    let b_pipe = pipe(&cb);
+    let b_server = String::from_utf8(send(&b_pipe, "get_server_list\n").stdout).unwrap();
+    let b_server = b_server.trim().to_string();
+    assert!(!b_server.is_empty());
+    let b_log = requests(&b_pipe);
+    let b_pid = cb.identity().unwrap().pid;
+
+    // What A's container was given is A's unit directory only.
+    let a_dir = container_pipe(&a);
+    assert!(a_dir.starts_with(ca.dir()), "{}", a_dir.display());
+    for m in &a.mounts {
+        assert!(!m.host_path.starts_with(cb.dir()), "{m:?}");
+    }
+    // A tenant of claim A drives the daemon through it: limit commands
+    // naming B's server and `quit`.
+    send(
+        &a_dir,
+        &format!(
+            "set_active_thread_percentage {b_server} 100\nset_device_pinned_mem_limit {b_server} GPU-99999999-2222-3333-4444-555555555555 81920M\n"
+        ),
+    );
+    let a_pid = ca.identity().unwrap().pid;
+    assert!(send(&a_dir, "quit\n").status.success());
+    // B's daemon still runs, got none of it, and B's clients keep B's limits.
+    assert!(alive(b_pid));
+    assert_eq!(requests(&b_pipe), b_log);
+    assert_eq!(client_of(&b, 0), b_seen);
+    cb.remove_client("claim-b", "s1").unwrap();
+    assert!(cb.stop_if_idle().unwrap());
+    wait_dead(b_pid);
+    // A's daemon took A's own `quit`: the supervisor restarts it for A.
+    wait_dead(a_pid);
+    assert_eq!(ca.ensure_running().unwrap(), Ensure::Restarted);
+    ca.remove_client("claim-a", "s1").unwrap();
+    ca.remove_client("claim-a", "s2").unwrap();
+    assert!(ca.stop_if_idle().unwrap());
+    assert!(node.daemons().is_empty());
+}
+
+#[test]
+fn v3_a_claims_namespace_directory_reaches_no_control_command() {
+    let node = Node::new(&[]);
+    let support = detect(&node.cfg).unwrap();
+    assert_eq!(support.protocol, Protocol::V3);
+    assert!(!support.capabilities().one_claim_per_unit());
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    let a = c
+        .prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let b = c
+        .prepare(&dev, &cc("4Gi", "16"), "claim-b", "s1", None)
+        .unwrap();
+    let b_seen = client_of(&b, 1000);
+    let pid = c.identity().unwrap().pid;
+    let a_dir = container_pipe(&a);
+    assert_ne!(a_dir, pipe(&c));
+    assert!(!a_dir.join(PID_FILE).exists());
+    let before = requests(&pipe(&c));
+    // v2 commands and v3 verbs through A's namespace socket are refused.
+    let nb = ns("claim-b", "s1");
+    let out = send(&a_dir, "quit\n");
+    assert!(!out.status.success());
+    for args in [
+        vec!["-q"],
+        vec![
+            "namespace",
+            "set",
+            nb.as_str(),
+            "--server=carve",
+            "--active-thread-percentage=100",
+        ],
+        vec![
+            "namespace",
+            "delete",
+            nb.as_str(),
+            "--server=carve",
+            "--force",
+        ],
+    ] {
+        let o = Command::new(FAKE)
+            .env("CUDA_MPS_PIPE_DIRECTORY", &a_dir)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?} went through");
+    }
+    assert!(alive(pid));
+    assert_eq!(requests(&pipe(&c)), before);
+    assert_eq!(client_of(&b, 1000), b_seen);
+    assert_eq!(namespaces(&pipe(&c)).len(), 2);
+    c.remove_client("claim-a", "s1").unwrap();
+    c.remove_client("claim-b", "s1").unwrap();
+    assert!(c.stop_if_idle().unwrap());
+    wait_dead(pid);
+}
+
+/// The plugin's image (distroless) has no `kill`: the supervisor must stop
+/// and restart daemons without one. Runs [`supervise_without_kill_on_path`]
+/// in a child test process whose `PATH` is an empty directory.
+#[test]
+fn without_kill_on_path_a_daemon_ignoring_quit_is_still_stopped_and_restarted() {
+    let empty = tempfile::tempdir().unwrap();
+    let o = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "supervise_without_kill_on_path",
+            "--ignored",
+            "--test-threads=1",
+        ])
+        .env("PATH", empty.path())
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("1 passed"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+#[ignore = "run by without_kill_on_path_a_daemon_ignoring_quit_is_still_stopped_and_restarted, with PATH naming an empty directory"]
+fn supervise_without_kill_on_path() {
+    for d in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        assert!(!d.join("kill").exists(), "kill on PATH in {}", d.display());
+    }
+    // The daemon refuses `quit`: stopping it takes a signal.
+    let node = Node::new(&[("FAKE_MPS_MAX_PROTOCOL", "2"), ("FAKE_MPS_REJECT", "quit")]);
+    let support = detect(&node.cfg).unwrap();
+    assert!(node.daemons().is_empty(), "probe daemon left behind");
+    let dev = MpsDeviceSpec::whole(&h100(), support.capabilities()).unwrap();
+    let mut c = MpsControl::open(&node.cfg, &support, whole_target()).unwrap();
+    c.prepare(&dev, &cc("2Gi", "8"), "claim-a", "s1", None)
+        .unwrap();
+    let old = c.identity().unwrap().pid;
+    send(&pipe(&c), "crash\n");
+    wait_dead(old);
+    assert_eq!(c.ensure_running().unwrap(), Ensure::Restarted);
+    let new = c.identity().unwrap().pid;
+    assert!(alive(new));
+    c.remove_client("claim-a", "s1").unwrap();
+    assert!(c.stop_if_idle().unwrap());
+    wait_dead(new);
+    assert!(node.daemons().is_empty());
 }

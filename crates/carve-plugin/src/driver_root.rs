@@ -129,12 +129,15 @@ const LIB_DIRS: &[&str] = &[
 /// Where utilities are looked for.
 const BIN_DIRS: &[&str] = &["usr/bin", "usr/sbin", "bin", "sbin", "usr/local/bin"];
 
-/// The utilities a container gets where the driver has them.
+/// The utilities a container gets where the driver has them. Not
+/// `nvidia-cuda-mps-control`: a workload needs no control client (its CUDA
+/// library finds the server through `CUDA_MPS_PIPE_DIRECTORY`), and the
+/// binary is what drives a daemon's `quit` and limit commands; only the
+/// plugin runs it.
 const BINARIES: &[&str] = &[
     "nvidia-smi",
     "nvidia-debugdump",
     "nvidia-persistenced",
-    "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
     "nvidia-imex",
     "nvidia-imex-ctl",
@@ -705,6 +708,17 @@ mod tests {
         );
         assert!(m("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1").is_some());
         assert!(m("/usr/bin/nvidia-smi").is_some());
+        // The fake driver has the MPS control client; no workload gets it.
+        assert!(fake.root.join("usr/bin/nvidia-cuda-mps-control").exists());
+        assert!(
+            f.common
+                .mounts
+                .iter()
+                .all(|m| !m.container_path.contains("nvidia-cuda-mps-control")
+                    && !m.host_path.contains("nvidia-cuda-mps-control")),
+            "{:?}",
+            f.common.mounts
+        );
         assert!(m("/lib/firmware/nvidia/580.65.06/gsp_ga10x.bin").is_some());
         assert!(m("/run/nvidia-persistenced/socket").is_some());
         assert!(m("/etc/vulkan/icd.d/nvidia_icd.json").is_some());

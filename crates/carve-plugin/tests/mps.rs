@@ -6,7 +6,8 @@
 //! Covered: several claims on one GPU (one daemon, one v3 namespace per share
 //! whose directory alone the container gets, a client through it landing in
 //! the namespace with its limits, compute mode), claims on one MIG instance (created by the first share,
-//! destroyed after the last), v3 and v2, a daemon that dies and is restarted
+//! destroyed after the last), v3 and v2 (a v2 unit serves one claim; a claim
+//! with an MPS share and another device is refused), a daemon that dies and is restarted
 //! with its limits, a plugin restart with running claims (daemon adopted
 //! untouched), last-claim teardown, a crash between attaching and completing,
 //! and bad allocations (each a per-claim error that leaves no daemon and
@@ -337,7 +338,7 @@ async fn v3_claims_share_a_gpu_through_a_namespace_each() {
 async fn mig_mps_instance_lives_from_first_share_to_last() {
     let node = mps_node(
         vec![GpuEntry::new("h100-80gb", 1, false)],
-        ProtocolChoice::V2,
+        ProtocolChoice::V3,
     );
     let api = api().await;
     let driver = start(&node, &api).await;
@@ -359,23 +360,26 @@ async fn mig_mps_instance_lives_from_first_share_to_last() {
             !env.iter().any(|e| e.contains("VISIBLE_DEVICES")),
             "{env:?}"
         );
-        // v2: client-side limits in the variables.
+        // v3 (several claims on one unit): each claim's namespace directory.
         assert!(
-            env.iter()
-                .any(|e| e.starts_with(&format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={mig_uuid}="))),
+            env.iter().any(|e| e.starts_with("CUDA_MPS_PIPE_DIRECTORY=")
+                && e.contains(&ns(uid, if uid == "u-a" { "s-a" } else { "s-c" }))),
             "{env:?}"
         );
     }
     let log = fake_log(&node, unit);
-    assert!(log.contains("protocol=2"), "{log}");
+    assert!(log.contains("protocol=3"), "{log}");
     assert!(
         log.contains(&format!("env CUDA_VISIBLE_DEVICES={mig_uuid}")),
         "{log}"
     );
-    // v2 defaults are the largest share: 4 GiB.
+    // The server is allowed on the instance; A's namespace gets its 4 GiB.
     assert!(
         log.contains(&format!(
-            "cmd set_default_device_pinned_mem_limit {mig_uuid} 4096M"
+            "verb server create carve --allowed-devices={mig_uuid}"
+        )) && log.contains(&format!(
+            "namespace set {} --server=carve --pinned-memory-limit=4096M",
+            ns("u-a", "s-a")
         )),
         "{log}"
     );
@@ -809,4 +813,116 @@ async fn a_unit_that_cannot_be_restored_does_not_stop_the_plugin() {
     );
     d.unprepare_one("u-a").await.unwrap();
     wait_gone(new_pid);
+}
+
+/// The CDI spec file of a prepared claim, as text.
+fn spec_text(node: &Node, uid: &str) -> String {
+    std::fs::read_to_string(claim_spec_path(&node.config.cdi_dir, uid)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v2_a_unit_serves_one_claim_and_a_claim_reaching_two_daemons_is_refused() {
+    let node = mps_node(
+        vec![GpuEntry::new("h100-80gb", 3, false)],
+        ProtocolChoice::V2,
+    );
+    assert_eq!(
+        setup(&node.config).support.protocol,
+        carve_mps::Protocol::V2
+    );
+    let api = api().await;
+    let driver = start(&node, &api).await;
+    let a = put_mps(
+        &api,
+        "a",
+        "u-a",
+        &[("gpu-0-mps", "s-a", Some(("4Gi", "8")))],
+        None,
+    );
+    ok(&driver.prepare(vec![a]).await, "u-a");
+    let pid_a = daemon_pid(&node, "gpu-0-mps").unwrap();
+    // No workload gets the MPS control client; the other utilities it does.
+    let text = spec_text(&node, "u-a");
+    assert!(text.contains("nvidia-smi"), "{text}");
+    assert!(!text.contains("nvidia-cuda-mps-control"), "{text}");
+    let log_a = fake_log(&node, "gpu-0-mps");
+
+    // A second claim on the v2 unit: refused, naming the holder; A untouched.
+    let b = put_mps(
+        &api,
+        "b",
+        "u-b",
+        &[("gpu-0-mps", "s-b", Some(("4Gi", "8")))],
+        None,
+    );
+    let out = driver.prepare(vec![b]).await;
+    let e = claim_error(&out, "u-b");
+    assert!(
+        e.contains("gpu-0-mps") && e.contains("protocol v2") && e.contains("default/a"),
+        "{e}"
+    );
+    assert_eq!(fake_log(&node, "gpu-0-mps"), log_a);
+    assert!(!claim_spec_path(&node.config.cdi_dir, "u-b").exists());
+
+    // Shares on two units in one claim, and a share beside a whole GPU:
+    // refused before anything is made, naming the devices.
+    let two = put_mps(
+        &api,
+        "two",
+        "u-two",
+        &[
+            ("gpu-1-mps", "s-1", Some(("4Gi", "8"))),
+            ("gpu-2-mps", "s-2", Some(("4Gi", "8"))),
+        ],
+        None,
+    );
+    let mixed = put_results(
+        &api,
+        "mixed",
+        "u-mixed",
+        vec![
+            serde_json::json!({"request": "r", "driver": "gpu.carve.dev", "pool": NODE,
+                "device": "gpu-1-mps", "shareID": "s-3",
+                "consumedCapacity": {"memory": "4Gi", "multiprocessors": "8"}}),
+            serde_json::json!({"request": "w", "driver": "gpu.carve.dev", "pool": NODE,
+                "device": "gpu-2"}),
+        ],
+        &[],
+    );
+    let out = driver.prepare(vec![two, mixed]).await;
+    let e = claim_error(&out, "u-two");
+    assert!(
+        e.contains("gpu-1-mps") && e.contains("gpu-2-mps") && e.contains("CUDA_MPS_PIPE_DIRECTORY"),
+        "{e}"
+    );
+    let e = claim_error(&out, "u-mixed");
+    assert!(
+        e.contains("gpu-1-mps") && e.contains("gpu-2") && e.contains("one MPS daemon"),
+        "{e}"
+    );
+    for unit in ["gpu-1-mps", "gpu-2-mps"] {
+        assert!(
+            daemon_pid(&node, unit).is_none(),
+            "{unit}: a daemon started"
+        );
+        assert!(fake_log(&node, unit).is_empty(), "{unit}");
+    }
+    for uid in ["u-two", "u-mixed"] {
+        assert!(!claim_spec_path(&node.config.cdi_dir, uid).exists());
+    }
+    let snap = driver.snapshot().await;
+    assert!(!snap.claims.contains_key("u-two") && !snap.claims.contains_key("u-mixed"));
+    // The node is fine for claims of one share each.
+    let c = put_mps(
+        &api,
+        "c",
+        "u-c",
+        &[("gpu-1-mps", "s-c", Some(("4Gi", "8")))],
+        None,
+    );
+    ok(&driver.prepare(vec![c]).await, "u-c");
+    assert!(alive(pid_a));
+    driver.unprepare_one("u-c").await.unwrap();
+    driver.unprepare_one("u-a").await.unwrap();
+    wait_gone(pid_a);
 }

@@ -269,16 +269,33 @@ async fn a_share_on_a_dmem_gpu_gets_its_pods_limit_through_the_tool_and_loses_it
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_shares_in_one_pod_are_summed_and_another_claims_share_there_is_refused() {
+async fn two_shares_in_one_claim_are_refused_and_another_claims_share_in_a_limited_pod_too() {
     let h = hard_node();
     let api = api().await;
     let driver = started(&h.node, h.node.config.clone(), &api).await;
     let cg = h.pod(POD_A);
+    // Two shares (two namespaces, two pipe directories) for one container
+    // cannot both reach MPS: refused before any limit is set.
+    let two = put(
+        &api,
+        "two",
+        "u-two",
+        &[("gpu-0-mps", "s-1", "4Gi"), ("gpu-0-mps", "s-2", "6Gi")],
+        &[POD_A],
+        false,
+    );
+    let out = driver.prepare(vec![two]).await;
+    let e = claim_error(&out, "u-two");
+    assert!(
+        e.contains("gpu-0-mps") && e.contains("one MPS daemon"),
+        "{e}"
+    );
+    assert!(h.calls().is_empty());
     let a = put(
         &api,
         "a",
         "u-a",
-        &[("gpu-0-mps", "s-1", "4Gi"), ("gpu-0-mps", "s-2", "6Gi")],
+        &[("gpu-0-mps", "s-1", "10Gi")],
         &[POD_A],
         false,
     );

@@ -73,7 +73,74 @@ pub(super) fn plan_claim(
         planned.push(plan_device(config, gpus, r, request, &configs)?);
     }
     check_within_claim(&planned)?;
+    check_one_pipe_directory(&planned)?;
     Ok(planned)
+}
+
+/// A claim with an MPS share has no other device of this driver. A CUDA
+/// process talks to one MPS control daemon, through the one
+/// `CUDA_MPS_PIPE_DIRECTORY` its container has; each share's CDI device sets
+/// that variable (and `/dev/shm`) for its own unit, so a container given two
+/// shares (two units, or two namespaces of one unit), or a share and another
+/// GPU device, keeps one share's and reaches the other device without MPS or
+/// its limits. carve cannot tell at prepare which containers get which
+/// request, so it refuses the claim, before anything is created.
+fn check_one_pipe_directory(planned: &[Planned]) -> Result<(), ClaimError> {
+    let Some(share) = planned.iter().find(|p| p.record.kind.mps().is_some()) else {
+        return Ok(());
+    };
+    if planned.len() < 2 {
+        return Ok(());
+    }
+    let others: Vec<&str> = planned
+        .iter()
+        .filter(|p| !std::ptr::eq(*p, share))
+        .map(|p| p.record.device.as_str())
+        .collect();
+    Err(ClaimError::BadShare {
+        device: share.record.device.clone(),
+        reason: format!(
+            "this claim also has {} ({}): a container reaches one MPS daemon through one CUDA_MPS_PIPE_DIRECTORY and one /dev/shm, so with more than one of them it would silently lose MPS (or its limits) on all but one; carve gives an MPS share only to a claim with no other device of this driver: put each in a claim of its own",
+            if others.len() == 1 {
+                "device"
+            } else {
+                "devices"
+            },
+            others.join(", ")
+        ),
+    })
+}
+
+/// Under MPS v2 a unit serves one claim ([`carve_mps::control`]): a share of
+/// this claim on a v2 unit another claim's share uses is refused (the
+/// published v2 device already lets one claim take the whole unit; this
+/// guards against a stale slice or a scheduler that allocated it anyway).
+pub(super) fn check_v2_units(
+    claim: &ClaimRef,
+    planned: &[Planned],
+    st: &CheckpointBody,
+    v2: bool,
+) -> Result<(), ClaimError> {
+    if !v2 {
+        return Ok(());
+    }
+    for share in planned.iter().filter_map(|p| p.record.kind.mps()) {
+        for o in st.claims.values().filter(|c| c.uid != claim.uid) {
+            if o.devices
+                .iter()
+                .any(|x| x.kind.mps().is_some_and(|y| y.unit == share.unit))
+            {
+                return Err(ClaimError::BadShare {
+                    device: share.unit.clone(),
+                    reason: format!(
+                        "the unit's MPS daemon speaks protocol v2 and already serves claim {}/{} ({}); under v2 every client reaches the daemon's control endpoint (quit, limit commands), so a v2 unit serves one claim at a time (its pods may share it); MPS v3 (driver r615 or later) gives several claims a unit",
+                        o.namespace, o.name, o.uid
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One allocation result of this driver, first seen, as a device plan.

@@ -22,7 +22,7 @@ use super::mig::{
     GpuReads, InstanceGauges, Live, MigModeChanges, destroy_devices, make_devices, read_checked,
 };
 use super::mps_shares::{MpsJob, Neighbours};
-use super::plan::{Planned, check_claims, plan_claim, started};
+use super::plan::{Planned, check_claims, check_v2_units, plan_claim, started};
 use super::{ClaimError, ClaimOp, Driver, Gpu, blocking};
 use crate::cdi;
 use crate::checkpoint::{ClaimRecord, ClaimState, DeviceRecord, PreparedKind};
@@ -161,6 +161,12 @@ impl Driver {
             let mut st = self.state.lock().await;
             let n = Neighbours::of(&st, &claim.uid);
             check_claims(claim, planned, &st)?;
+            let v2 = self
+                .config
+                .mps
+                .as_ref()
+                .is_some_and(|m| m.support.protocol == carve_mps::Protocol::V2);
+            check_v2_units(claim, planned, &st, v2)?;
             st.claims.insert(claim.uid.clone(), started(claim, planned));
             n
         };

@@ -51,12 +51,12 @@ pub const MIB: u64 = 1024 * 1024;
 pub enum NotHard {
     /// A MIG instance: memory partitioning does not support MIG [MP].
     #[error(
-        "memory partitioning does not support MIG (NVML rejects MIG handles), so a MIG-MPS share's memory limit is the CUDA client's (a v3 namespace's pinned limit, which a tenant can escape)"
+        "memory partitioning does not support MIG (NVML rejects MIG handles), so a MIG-MPS share's memory limit is the CUDA client's, which a tenant can escape (v3: the namespace's pinned limit; v2: a variable in the client's environment)"
     )]
     Mig,
     /// No `nvidia-smi` configured or usable.
     #[error(
-        "no usable nvidia-smi to set memory-partitioning limits ({why}), so the share's memory limit is the CUDA client's (a v3 namespace's pinned limit, which a tenant can escape)"
+        "no usable nvidia-smi to set memory-partitioning limits ({why}), so the share's memory limit is the CUDA client's, which a tenant can escape (v3: the namespace's pinned limit; v2: a variable in the client's environment)"
     )]
     NoTool {
         /// What is wrong (not configured, not executable).

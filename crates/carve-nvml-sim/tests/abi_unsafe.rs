@@ -38,7 +38,9 @@ fn exports_taking_raw_pointers_are_unsafe_with_a_safety_section() {
     for (name, is_unsafe, params, doc) in &all {
         let takes_ptr = params.contains("*mut") || params.contains("*const");
         if takes_ptr && !(*is_unsafe && doc.contains("# Safety")) {
-            wrong.push(format!("{name}: takes a raw pointer but is not unsafe with # Safety"));
+            wrong.push(format!(
+                "{name}: takes a raw pointer but is not unsafe with # Safety"
+            ));
         }
         if !takes_ptr && *is_unsafe {
             wrong.push(format!("{name}: takes no raw pointer, yet is unsafe"));

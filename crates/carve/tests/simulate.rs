@@ -610,7 +610,9 @@ fn mps_v2_puts_the_limits_in_the_container_environment() {
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
-    let pid = check_mps_share(&out, "mps-share", 10240, 34, "v2", "client");
+    // Under v2 the unit serves one claim: the 10 GiB / 34 SM request is
+    // rounded up to the whole A100 (40960 MiB, 108 SMs, 100 %).
+    let pid = check_mps_share(&out, "mps-share", 40960, 108, "v2", "client");
     let hard = block(&out, "mps-hard-limit");
     assert!(
         hard.first()

@@ -22,6 +22,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::api::resource::v1::DeviceClass;
 use serde::Serialize;
@@ -276,6 +277,7 @@ struct Manifests {
     policy_bindings: Vec<ValidatingAdmissionPolicyBinding>,
     device_classes: Vec<DeviceClass>,
     config_maps: Vec<ConfigMap>,
+    network_policies: Vec<NetworkPolicy>,
 }
 
 fn validate(docs: &[Doc]) -> Manifests {
@@ -299,6 +301,9 @@ fn validate(docs: &[Doc]) -> Manifests {
                 m.policy_bindings.push(round_trip(doc));
             }
             ("resource.k8s.io/v1", "DeviceClass") => m.device_classes.push(round_trip(doc)),
+            ("networking.k8s.io/v1", "NetworkPolicy") => {
+                m.network_policies.push(round_trip(doc));
+            }
             (api, kind) => panic!(
                 "{}: unexpected {api} {kind}; add it to validate()",
                 doc.template
@@ -1840,6 +1845,60 @@ fn admission_policy_confines_claim_status_to_its_node_and_driver() {
             after
         ),
         Admission::NotMatched
+    );
+}
+
+/// The NetworkPolicy: off by default; on, it selects exactly the plugin's
+/// pods, admits no ingress without `metricsFrom`, and with it only the
+/// metrics port from those peers; egress is not restricted.
+#[test]
+fn network_policy_admits_only_the_metrics_port_from_the_peers_named() {
+    assert!(render_valid(&default_values()).network_policies.is_empty());
+    let m = render_valid(&values_with("networkPolicy: {enabled: true}\n"));
+    let ds = one(&m.daemonsets, "DaemonSet");
+    let pod_labels = ds
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    let np = one(&m.network_policies, "NetworkPolicy");
+    let spec = np.spec.as_ref().unwrap();
+    let selector = spec.pod_selector.as_ref().unwrap().match_labels.clone().unwrap();
+    assert!(
+        selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "{selector:?} does not select the plugin pods {pod_labels:?}"
+    );
+    assert_eq!(spec.policy_types.as_deref(), Some(&["Ingress".to_string()][..]));
+    assert_eq!(spec.ingress.as_deref(), Some(&[][..]), "no peers: no ingress");
+
+    let m = render_valid(&values_with(
+        "networkPolicy:\n  enabled: true\n  metricsFrom:\n    - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}\n",
+    ));
+    let np = one(&m.network_policies, "NetworkPolicy");
+    let rule = one(np.spec.as_ref().unwrap().ingress.as_deref().unwrap(), "ingress rule");
+    let port = one(rule.ports.as_deref().unwrap(), "port");
+    let metrics = plugin_container(one(&m.daemonsets, "DaemonSet"))
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .unwrap()
+        .container_port;
+    assert_eq!(
+        port.port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(metrics))
+    );
+    let peer = one(rule.from.as_deref().unwrap(), "peer");
+    assert_eq!(
+        peer.namespace_selector.as_ref().unwrap().match_labels.as_ref().unwrap()
+            ["kubernetes.io/metadata.name"],
+        "monitoring"
     );
 }
 

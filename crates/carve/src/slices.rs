@@ -279,11 +279,22 @@ mod tests {
     fn table_lists_every_gpu_with_profile_counts() {
         let t = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
         assert!(t.contains("gpu-0  counter set gpu-0-counters"), "{t}");
-        assert!(t.contains("1g.10gb×7"), "{t}");
+        // The default sharing: each MIG placement has its MIG-MPS device
+        // (counted under its profile), and the L4's MPS share draws on a
+        // counter set.
+        assert!(t.contains("gpu-2  counter set gpu-2-counters"), "{t}");
+        assert!(t.contains("devices:  gpu×1 mps×1 timeslice×1"), "{t}");
+        let plain = run(&SlicesArgs {
+            sharing: Some(vec![SimSharing::None]),
+            ..args("h100-80gb:2,l4:1", 35, Output::Table)
+        })
+        .unwrap();
         assert!(
-            t.contains("gpu-2  counter set (none: not MIG-capable)"),
-            "{t}"
+            plain.contains("gpu-2  counter set (none: not MIG-capable)"),
+            "{plain}"
         );
+        assert!(plain.contains("1g.10gb×7 "), "{plain}");
+        assert!(t.contains("1g.10gb×14 "), "{t}");
     }
 
     #[test]

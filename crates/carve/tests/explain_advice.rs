@@ -49,6 +49,16 @@ fn claim(name: &str, class: &str, body: &str) -> String {
     )
 }
 
+fn mig_claim(name: &str, profile: &str) -> String {
+    claim(
+        name,
+        "mig.gpu.carve.dev",
+        &format!(
+            "        selectors:\n        - cel: {{expression: 'device.attributes[\"gpu.carve.dev\"].profile == \"{profile}\"'}}\n"
+        ),
+    )
+}
+
 fn mps_claim(name: &str, memory: &str) -> String {
     claim(
         name,
@@ -222,15 +232,7 @@ fn explain_on_an_allocated_claim_shows_its_allocation() {
 #[test]
 fn a_claim_that_finds_no_device_is_told_what_the_node_offers() {
     let dir = tempfile::tempdir().unwrap();
-    let c = write(
-        dir.path(),
-        "c.yaml",
-        &claim(
-            "odd",
-            "mig.gpu.carve.dev",
-            "        selectors:\n        - cel: {expression: 'device.attributes[\"gpu.carve.dev\"].profile == \"5g.50gb\"'}\n",
-        ),
-    );
+    let c = write(dir.path(), "c.yaml", &mig_claim("odd", "5g.50gb"));
     let r = carve(&["explain", c.to_str().unwrap()]);
     assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("node sim-node offers:"), "{}", r.stdout);
@@ -243,6 +245,39 @@ fn a_claim_that_finds_no_device_is_told_what_the_node_offers() {
     assert!(
         r.stdout
             .contains("MPS shares of whole GPUs (class mps.gpu.carve.dev)"),
+        "{}",
+        r.stdout
+    );
+}
+
+#[test]
+fn simulate_tells_a_claim_that_finds_no_device_what_the_node_offers() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "odd.yaml", &mig_claim("odd", "5g.50gb"));
+    let r = carve(&[
+        "simulate",
+        "--gpus",
+        "h100-80gb:1",
+        "--claims",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("- default/odd (")
+            && r.stdout.contains("not even with every device free"),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("  sim-node offers:\n"), "{}", r.stdout);
+    assert!(
+        r.stdout
+            .contains("    MIG partitions (class mig.gpu.carve.dev): 1g.10gb"),
+        "{}",
+        r.stdout
+    );
+    let last = r.stdout.lines().rev().find(|l| !l.trim().is_empty());
+    assert!(
+        last.is_some_and(|l| l.starts_with("next: `carve explain CLAIM.yaml`")),
         "{}",
         r.stdout
     );
@@ -346,11 +381,19 @@ fn mounts_under(dir: &Path) -> Vec<String> {
 #[test]
 fn no_release_names_the_files_it_keeps_and_the_mounts_it_leaves() {
     let dir = tempfile::tempdir().unwrap();
-    let file = write(dir.path(), "share.yaml", &mps_claim("share-a", "10Gi"));
+    let file = write(
+        dir.path(),
+        "share.yaml",
+        &format!(
+            "{}---\n{}",
+            mig_claim("mig-a", "1g.10gb"),
+            mps_claim("share-a", "10Gi")
+        ),
+    );
     let r = carve(&[
         "simulate",
         "--gpus",
-        "a100-40gb:1",
+        "h100-80gb:1,a100-40gb:1",
         "--claims",
         file.to_str().unwrap(),
         "--no-release",
@@ -380,8 +423,14 @@ fn no_release_names_the_files_it_keeps_and_the_mounts_it_leaves() {
             PathBuf::from(line.rsplit(": ").next().unwrap())
         };
         let state = named("GPU instances (the NVML simulator's state)");
+        // The MIG claim's GPU instance is in that file.
         let text = std::fs::read_to_string(&state).unwrap_or_else(|e| panic!("{state:?}: {e}"));
-        assert!(text.contains("share-a") || text.contains("gpu"), "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect(&text);
+        assert_eq!(
+            v["gpus"][0]["gpuInstances"].as_array().map(Vec::len),
+            Some(1),
+            "{text}"
+        );
         let checkpoint = named("the plugin's checkpoint");
         assert!(checkpoint.is_file(), "{checkpoint:?}\n{}", r.stdout);
         assert!(
@@ -398,18 +447,23 @@ fn no_release_names_the_files_it_keeps_and_the_mounts_it_leaves() {
             .lines()
             .find(|l| l.trim_start().starts_with("clean up: "))
             .unwrap_or_else(|| panic!("no clean-up line in {}", r.stdout));
-        for m in &left {
-            assert!(
-                clean.contains(&format!("umount {m}"))
-                    || clean.contains(&format!(" {m} "))
-                    || clean.contains(&format!(" {m} &&")),
-                "{m} not in {clean}"
-            );
-        }
-        assert!(
-            clean.ends_with(&format!("rm -rf {}", kept.display())),
-            "{clean}"
-        );
+        let rm = format!("rm -rf {}", kept.display());
+        let umounted: Vec<&str> = clean
+            .trim_start()
+            .strip_prefix("clean up: ")
+            .and_then(|c| c.strip_suffix(rm.as_str()))
+            .map(|c| {
+                c.trim_end_matches(" && ")
+                    .trim_start_matches("umount")
+                    .split_whitespace()
+                    .collect()
+            })
+            .unwrap_or_else(|| panic!("{clean} does not end with {rm}"));
+        let mut named_sorted = umounted.clone();
+        let mut left_sorted: Vec<&str> = left.iter().map(String::as_str).collect();
+        named_sorted.sort_unstable();
+        left_sorted.sort_unstable();
+        assert_eq!(named_sorted, left_sorted, "{clean}");
     });
     cleanup(&kept);
     if let Err(e) = outcome {

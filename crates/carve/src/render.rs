@@ -20,6 +20,9 @@ pub struct Held {
     /// The instance is shared through MPS (a `mig-mps` device), however many
     /// shares it has now.
     pub shared: bool,
+    /// What its MPS shares consume of the instance (their allocated memory
+    /// and SMs, summed), for a shared instance.
+    pub used: Option<ShareUse>,
 }
 
 /// What one GPU looks like.
@@ -227,18 +230,27 @@ impl GpuPicture {
         let _ = writeln!(out, "{idx}");
         let _ = writeln!(out, "{row}");
         for (k, h) in self.held.iter().enumerate() {
+            let shared = match (h.shared, h.used) {
+                (false, _) => String::new(),
+                (true, None) => " (MIG instance shared through MPS)".into(),
+                (true, Some(u)) => {
+                    let p = self.spec.profiles.iter().find(|p| p.name == h.profile);
+                    format!(
+                        " (MIG instance shared through MPS; the shares use {} of {} MiB, {} of {} SMs)",
+                        u.memory_mib,
+                        p.map_or(0, |p| p.memory_mib),
+                        u.multiprocessors,
+                        p.map_or(0, |p| p.multiprocessors)
+                    )
+                }
+            };
             let _ = writeln!(
                 out,
-                "   {} = {} {} at slice {}{}",
+                "   {} = {} {} at slice {}{shared}",
                 letter(k),
                 h.holder,
                 h.profile,
                 h.start,
-                if h.shared {
-                    " (MIG instance shared through MPS)"
-                } else {
-                    ""
-                }
             );
         }
         if let Some(w) = &self.whole {
@@ -541,6 +553,7 @@ mod tests {
                     profile: "1g.10gb".into(),
                     start: s,
                     shared: false,
+                    used: None,
                 })
                 .collect(),
             whole: None,
@@ -581,6 +594,36 @@ mod tests {
         let t = g("l4", Sharing::Timeslice).to_text();
         assert!(t.contains("time-sliced, every share sees all"), "{t}");
         assert!(t.contains("T = a, b (whole GPU, time-sliced)"), "{t}");
+        // A MIG instance shared through MPS: its shares' use within it.
+        let m = GpuPicture {
+            name: "gpu-0".into(),
+            spec: GpuModel::find("h100").unwrap().spec(),
+            held: vec![Held {
+                holder: "a+b".into(),
+                profile: "3g.40gb".into(),
+                start: 0,
+                shared: true,
+                used: Some(ShareUse {
+                    memory_mib: 8192,
+                    multiprocessors: 20,
+                }),
+            }],
+            whole: None,
+        };
+        let t = m.to_text();
+        let p = m
+            .spec
+            .profiles
+            .iter()
+            .find(|p| p.name == "3g.40gb")
+            .unwrap();
+        assert!(
+            t.contains(&format!(
+                "A = a+b 3g.40gb at slice 0 (MIG instance shared through MPS; the shares use 8192 of {} MiB, 20 of {} SMs)",
+                p.memory_mib, p.multiprocessors
+            )),
+            "{t}"
+        );
         let svg = to_svg(&[g("h100", Sharing::Exclusive)]);
         assert!(svg.contains("a, b (whole"), "{svg}");
     }
@@ -596,6 +639,7 @@ mod tests {
                 profile: "2g.12gb".into(),
                 start: 2,
                 shared: false,
+                used: None,
             }],
             whole: None,
         };

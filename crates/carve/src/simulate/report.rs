@@ -398,21 +398,34 @@ pub(super) fn pictures(node: &Node, prepared: &[Prepared]) -> Vec<GpuPicture> {
                 continue;
             };
             // Shares of one MIG instance through MPS: one instance, several holders.
-            match e
+            let shared = matches!(name, DeviceName::MigMps { .. });
+            let i = match e
                 .0
-                .iter_mut()
-                .find(|h| h.profile == profile && h.start == start)
+                .iter()
+                .position(|h| h.profile == profile && h.start == start)
             {
-                Some(h) => {
-                    h.holder.push('+');
-                    h.holder.push_str(&holder);
+                Some(i) => {
+                    e.0[i].holder.push('+');
+                    e.0[i].holder.push_str(&holder);
+                    i
                 }
-                None => e.0.push(Held {
-                    holder: holder.clone(),
-                    profile,
-                    start,
-                    shared: matches!(name, DeviceName::MigMps { .. }),
-                }),
+                None => {
+                    e.0.push(Held {
+                        holder: holder.clone(),
+                        profile,
+                        start,
+                        shared,
+                        used: None,
+                    });
+                    e.0.len() - 1
+                }
+            };
+            let h = &mut e.0[i];
+            if shared {
+                let u = h.used.get_or_insert_with(crate::render::ShareUse::default);
+                let (memory_mib, multiprocessors) = consumed(p, d);
+                u.memory_mib += memory_mib;
+                u.multiprocessors += multiprocessors;
             }
         }
     }

@@ -34,6 +34,15 @@ pub struct ExplainArgs {
         conflicts_with = "slices"
     )]
     pub sharing: Vec<crate::simulate::SimSharing>,
+    /// Kubernetes version of the simulated node's API server (its slice
+    /// layout), as `carve simulate --kube-version`.
+    #[arg(
+        long,
+        default_value = crate::slices::DEFAULT_KUBE_VERSION,
+        value_parser = crate::parse_kube_version,
+        conflicts_with = "slices"
+    )]
+    pub kube_version: carve_apiserver::KubeVersion,
     /// Node name (defaults to the node of the first slice).
     #[arg(long)]
     pub node: Option<String>,
@@ -493,7 +502,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
                 sharing: Some(args.sharing.clone()),
                 ..crate::slices::SlicesArgs::simulated(
                     &args.simulate_gpus,
-                    carve_apiserver::KubeVersion::default(),
+                    args.kube_version,
                     args.node.as_deref().unwrap_or("sim-node"),
                 )
             };
@@ -611,6 +620,7 @@ mod tests {
             slices: None,
             simulate_gpus: gpus.into(),
             sharing: Vec::new(),
+            kube_version: carve_apiserver::KubeVersion::default(),
             node: None,
             json: false,
             devices: false,

@@ -67,6 +67,10 @@ pub const DEFAULT_GPUS: &str = "h100-80gb:2,a100-40gb:3";
 /// The shared devices those commands publish by default (`--sharing`).
 pub const DEFAULT_SHARING: [&str; 3] = ["mps", "mig-mps", "timeslice"];
 
+/// The Kubernetes version (slice layout) those commands default to
+/// (`--kube-version`).
+pub const DEFAULT_KUBE_VERSION: &str = "1.35";
+
 #[derive(Debug, clap::Args)]
 pub struct SlicesArgs {
     /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`);
@@ -88,7 +92,7 @@ pub struct SlicesArgs {
     #[arg(long, default_value = "dynamic", value_parser = crate::plugin::parse_mig_policy, requires = "from_nvml")]
     pub mig_policy: crate::plugin::MigPolicy,
     /// Kubernetes version of the API server; decides the slice layout (1.34 or 1.35+).
-    #[arg(long, default_value = "1.35", value_parser = crate::parse_kube_version)]
+    #[arg(long, default_value = DEFAULT_KUBE_VERSION, value_parser = crate::parse_kube_version)]
     pub kube_version: carve_apiserver::KubeVersion,
     /// MIG mode of the simulated Ampere GPUs (A100, A30), where changing it
     /// needs a GPU reset: `off` (the NVML simulator's and a new node's state)

@@ -81,9 +81,14 @@ fn simulate_explain_and_slices_default_to_one_node_with_its_sharing() {
             .all(|g| g.as_deref() == Some("h100-80gb:2,a100-40gb:3")),
         "{gpus:?}"
     );
+    for flag in ["--sharing", "--kube-version"] {
+        let d = help_default("simulate", flag);
+        assert!(d.is_some(), "{flag}");
+        assert_eq!(help_default("explain", flag), d, "{flag}");
+    }
     assert_eq!(
-        help_default("explain", "--sharing"),
-        help_default("simulate", "--sharing"),
+        help_default("slices", "--kube-version"),
+        help_default("simulate", "--kube-version")
     );
     // An MPS share fits in explain as simulate prepares it: no flag needed.
     let dir = tempfile::tempdir().unwrap();

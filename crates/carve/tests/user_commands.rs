@@ -529,6 +529,7 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
         ],
         vec!["slices", "--kube-version", "1.38"],
         vec!["slices", "--kube-version", "1.33"],
+        vec!["explain", &claim, "--kube-version", "2.0"],
     ] {
         let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));
         assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
@@ -554,6 +555,9 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
         assert_eq!(r.code, 0, "{v}: {}", r.stderr);
     }
     let r = carve(&["explain", &claim, "--simulate-gpus", "h100:1"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // explain's simulated node takes a modelled version too.
+    let r = carve(&["explain", &claim, "--kube-version", "1.34", "--json"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
 

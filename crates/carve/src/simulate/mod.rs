@@ -164,7 +164,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub claims: Option<PathBuf>,
     /// Kubernetes version the API-server stand-in reports (decides the slice layout).
-    #[arg(long, default_value = "1.35", value_parser = crate::parse_kube_version)]
+    #[arg(long, default_value = crate::slices::DEFAULT_KUBE_VERSION, value_parser = crate::parse_kube_version)]
     pub kube_version: KubeVersion,
     /// Keep the temporary directory (sockets, CDI specs, checkpoint, simulator
     /// state, plugin log) and print its path.

@@ -361,7 +361,7 @@ impl NoFit {
                 if e.suggestions.is_empty() {
                     let _ = writeln!(
                         out,
-                        "  it fits with every device free, but releasing no single device's holders is enough: `carve defrag` plans which claims to move"
+                        "  it would fit with every device free, but freeing any one device it could use is not enough: it needs several claims released (`carve defrag` looks for claims to move elsewhere)"
                     );
                 }
             }

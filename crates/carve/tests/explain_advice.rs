@@ -202,6 +202,38 @@ fn would_fit_if_is_said_only_when_the_claim_then_fits() {
 }
 
 #[test]
+fn a_claim_that_needs_several_releases_is_not_told_one_is_enough() {
+    // Two whole H100s, each held by its own claim; a claim for both.
+    let dir = tempfile::tempdir().unwrap();
+    let slices = carve(&["slices", "--gpus", "h100-80gb:2", "--sharing", "none"]);
+    let state = format!(
+        "{}{}{}",
+        slices.stdout,
+        allocated("h0", "gpu.carve.dev", "gpu-0"),
+        allocated("h1", "gpu.carve.dev", "gpu-1")
+    );
+    let state = write(dir.path(), "state.yaml", &state);
+    let two = write(
+        dir.path(),
+        "two.yaml",
+        &claim("two", "gpu.carve.dev", "        count: 2\n"),
+    );
+    let r = carve(&[
+        "explain",
+        two.to_str().unwrap(),
+        "--slices",
+        state.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(!r.stdout.contains("would fit if"), "{}", r.stdout);
+    assert!(
+        r.stdout.contains("it would fit with every device free, but freeing any one device it could use is not enough"),
+        "{}",
+        r.stdout
+    );
+}
+
+#[test]
 fn explain_on_an_allocated_claim_shows_its_allocation() {
     let dir = tempfile::tempdir().unwrap();
     let slices = carve(&["slices", "--gpus", "h100-80gb:1", "--sharing", "none"]);

@@ -1869,19 +1869,35 @@ fn network_policy_admits_only_the_metrics_port_from_the_peers_named() {
         .unwrap();
     let np = one(&m.network_policies, "NetworkPolicy");
     let spec = np.spec.as_ref().unwrap();
-    let selector = spec.pod_selector.as_ref().unwrap().match_labels.clone().unwrap();
+    let selector = spec
+        .pod_selector
+        .as_ref()
+        .unwrap()
+        .match_labels
+        .clone()
+        .unwrap();
     assert!(
         selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
         "{selector:?} does not select the plugin pods {pod_labels:?}"
     );
-    assert_eq!(spec.policy_types.as_deref(), Some(&["Ingress".to_string()][..]));
-    assert_eq!(spec.ingress.as_deref(), Some(&[][..]), "no peers: no ingress");
+    assert_eq!(
+        spec.policy_types.as_deref(),
+        Some(&["Ingress".to_string()][..])
+    );
+    assert_eq!(
+        spec.ingress.as_deref(),
+        Some(&[][..]),
+        "no peers: no ingress"
+    );
 
     let m = render_valid(&values_with(
         "networkPolicy:\n  enabled: true\n  metricsFrom:\n    - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}\n",
     ));
     let np = one(&m.network_policies, "NetworkPolicy");
-    let rule = one(np.spec.as_ref().unwrap().ingress.as_deref().unwrap(), "ingress rule");
+    let rule = one(
+        np.spec.as_ref().unwrap().ingress.as_deref().unwrap(),
+        "ingress rule",
+    );
     let port = one(rule.ports.as_deref().unwrap(), "port");
     let metrics = plugin_container(one(&m.daemonsets, "DaemonSet"))
         .ports
@@ -1896,8 +1912,12 @@ fn network_policy_admits_only_the_metrics_port_from_the_peers_named() {
     );
     let peer = one(rule.from.as_deref().unwrap(), "peer");
     assert_eq!(
-        peer.namespace_selector.as_ref().unwrap().match_labels.as_ref().unwrap()
-            ["kubernetes.io/metadata.name"],
+        peer.namespace_selector
+            .as_ref()
+            .unwrap()
+            .match_labels
+            .as_ref()
+            .unwrap()["kubernetes.io/metadata.name"],
         "monitoring"
     );
 }

@@ -178,6 +178,8 @@ pub enum Sharing {
     Mps,
     /// Time-slicing.
     TimeSlice,
+    /// Whole GPUs, one per request: every size is a whole GPU.
+    Whole,
 }
 
 /// The advisor's answer.
@@ -211,7 +213,13 @@ pub fn advise(
     let fit = mig_fit(spec, sizes)?;
     let mut reasons = Vec::new();
     let overhead = fit.overhead();
-    let sharing = if contention.yes() || fault_isolation.yes() {
+    let sharing = if sizes.iter().all(|&s| s >= 1.0) {
+        reasons.push(format!(
+            "every request is a whole GPU: claim whole GPUs (DeviceClass gpu.carve.dev), {} of them; nothing is shared, so no tenant meets another, and a 7g MIG instance would give less than the whole GPU",
+            sizes.len()
+        ));
+        Sharing::Whole
+    } else if contention.yes() || fault_isolation.yes() {
         if contention.yes() {
             reasons.push(format!(
                 "workloads compete for L2/memory bandwidth{}: only MIG partitions them (MPS and time-slicing never do)",
@@ -270,21 +278,48 @@ fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> 
         let list: Vec<String> = v.iter().map(|s| format!("{s}")).collect();
         format!("size(s) {}", list.join(", "))
     };
+    // Each template selects the `type` its class selects (the class's own
+    // selector, said in the claim too), and a size of 1 gets a whole GPU.
+    let typed = |kind: &str, more: &str| {
+        format!(
+            "          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].type == \"{kind}\"{more}\n"
+        )
+    };
     let mut docs = Vec::new();
+    let whole: Vec<f64> = sizes.iter().copied().filter(|&s| s >= 1.0).collect();
+    if !whole.is_empty() && sharing != Sharing::TimeSlice {
+        docs.push(template(
+            "whole-gpu",
+            &sizes_of(&whole),
+            &format!(
+                "          deviceClassName: gpu.carve.dev\n{}",
+                typed("gpu", "")
+            ),
+        ));
+    }
     match sharing {
+        Sharing::Whole => {}
         Sharing::Mig => {
             for (p, served) in &fit.per_profile {
+                let served: Vec<f64> = served.iter().copied().filter(|&s| s < 1.0).collect();
+                if served.is_empty() {
+                    continue;
+                }
                 docs.push(template(
                     &format!("mig-{}", p.replace('.', "-")),
-                    &sizes_of(served),
+                    &sizes_of(&served),
                     &format!(
-                        "          deviceClassName: mig.gpu.carve.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.carve.dev\"].profile == \"{p}\"\n"
+                        "          deviceClassName: mig.gpu.carve.dev\n{}",
+                        typed(
+                            "mig",
+                            &format!(" && device.attributes[\"gpu.carve.dev\"].profile == \"{p}\"")
+                        )
                     ),
                 ));
             }
         }
         Sharing::Mps => {
-            let mut classes: Vec<f64> = sizes.to_vec();
+            let mut classes: Vec<f64> = sizes.iter().copied().filter(|&s| s < 1.0).collect();
             classes.sort_by(f64::total_cmp);
             classes.dedup();
             for s in classes {
@@ -294,7 +329,8 @@ fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> 
                     &format!("mps-{:.0}pct", s * 100.0),
                     &sizes_of(&[s]),
                     &format!(
-                        "          deviceClassName: mps.gpu.carve.dev\n          capacity:\n            requests:\n              memory: {mem_gib}Gi\n              multiprocessors: \"{sms}\"\n"
+                        "          deviceClassName: mps.gpu.carve.dev\n{}          capacity:\n            requests:\n              memory: {mem_gib}Gi\n              multiprocessors: \"{sms}\"\n",
+                        typed("mps", "")
                     ),
                 ));
             }
@@ -302,7 +338,10 @@ fn claim_yaml(spec: &GpuSpec, sharing: Sharing, fit: &MigFit, sizes: &[f64]) -> 
         Sharing::TimeSlice => docs.push(template(
             "timeslice",
             "every size (time-slicing has no per-tenant size)",
-            "          deviceClassName: timeslice.gpu.carve.dev\n",
+            &format!(
+                "          deviceClassName: timeslice.gpu.carve.dev\n{}",
+                typed("timeslice", "")
+            ),
         )),
     }
     docs.join("---\n")
@@ -314,10 +353,18 @@ impl fmt::Display for Advice {
             Sharing::Mig => "MIG partitions",
             Sharing::Mps => "MPS shares with memory and SM limits",
             Sharing::TimeSlice => "time-slicing",
+            Sharing::Whole => "whole GPUs",
         };
         writeln!(f, "recommendation: {name}")?;
         for r in &self.reasons {
             writeln!(f, "  - {r}")?;
+        }
+        if self.sharing == Sharing::Whole {
+            return writeln!(
+                f,
+                "\n# use (one ResourceClaimTemplate per size class):\n{}",
+                self.yaml
+            );
         }
         write!(
             f,
@@ -443,6 +490,50 @@ mod tests {
         let sizes = [1.0 / 7.0, 2.0 / 7.0, 3.0 / 7.0];
         let a = advise(&h100(), Answer::No, Answer::No, &sizes, false).unwrap();
         assert_eq!(a.sharing, Sharing::Mig);
+    }
+
+    #[test]
+    fn whole_gpu_sizes_get_whole_gpus_and_every_template_its_type() {
+        let a = advise(
+            &h100(),
+            Answer::Unknown,
+            Answer::Unknown,
+            &[1.0, 1.0],
+            false,
+        )
+        .unwrap();
+        assert_eq!(a.sharing, Sharing::Whole, "{:?}", a.reasons);
+        assert!(
+            a.yaml.contains("deviceClassName: gpu.carve.dev"),
+            "{}",
+            a.yaml
+        );
+        assert!(!a.yaml.contains("7g"), "{}", a.yaml);
+        // A whole-GPU size beside fractional ones: its own whole-GPU template.
+        let m = advise(&h100(), Answer::No, Answer::Yes, &[0.1, 1.0], false).unwrap();
+        assert_eq!(m.sharing, Sharing::Mig);
+        assert!(m.yaml.contains("name: whole-gpu"), "{}", m.yaml);
+        assert!(!m.yaml.contains("7g.80gb"), "{}", m.yaml);
+        for (sizes, bursty, kind) in [
+            (&[0.1, 0.5][..], false, "mig"),
+            (&[0.3, 0.3, 0.6][..], false, "mps"),
+            (&[0.3, 0.3, 0.6][..], true, "timeslice"),
+            (&[1.0][..], false, "gpu"),
+        ] {
+            let iso = if kind == "mig" {
+                Answer::Yes
+            } else {
+                Answer::No
+            };
+            let a = advise(&h100(), Answer::No, iso, sizes, bursty).unwrap();
+            let want = format!("device.attributes[\"gpu.carve.dev\"].type == \"{kind}\"");
+            assert_eq!(
+                a.yaml.matches(&want).count(),
+                a.yaml.matches("kind: ResourceClaimTemplate").count(),
+                "{kind}: {}",
+                a.yaml
+            );
+        }
     }
 
     #[test]

@@ -19,9 +19,30 @@ pub struct ExplainArgs {
     /// ResourceClaims to explain against.
     #[arg(long, conflicts_with = "simulate_gpus")]
     pub slices: Option<PathBuf>,
-    /// Explain against an empty simulated node with these GPUs (`model:count,...`).
-    #[arg(long, default_value = "h100-80gb:2", value_parser = crate::parse_gpus_flag)]
+    /// Explain against an empty simulated node with these GPUs (`model:count,...`):
+    /// by default the node `carve simulate` and `carve slices` run.
+    #[arg(long, default_value = crate::slices::DEFAULT_GPUS, value_parser = crate::parse_gpus_flag)]
     pub simulate_gpus: String,
+    /// Shared devices the simulated node publishes besides MIG partitions and
+    /// whole GPUs, as `carve simulate --sharing`: `mps`, `mig-mps`,
+    /// `timeslice`, or `none`.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values = crate::slices::DEFAULT_SHARING,
+        conflicts_with = "slices"
+    )]
+    pub sharing: Vec<crate::simulate::SimSharing>,
+    /// Kubernetes version of the simulated node's API server (its slice
+    /// layout), as `carve simulate --kube-version`.
+    #[arg(
+        long,
+        default_value = crate::slices::DEFAULT_KUBE_VERSION,
+        value_parser = crate::parse_kube_version,
+        conflicts_with = "slices"
+    )]
+    pub kube_version: carve_apiserver::KubeVersion,
     /// Node name (defaults to the node of the first slice).
     #[arg(long)]
     pub node: Option<String>,
@@ -240,6 +261,232 @@ pub fn defrag(args: &DefragArgs) -> anyhow::Result<String> {
     })
 }
 
+/// What to say about a claim that does not fit, made true against the
+/// allocator: its explanation keeps only the "would fit if" suggestions
+/// after which the claim does fit (the allocator re-run with the named
+/// claims released), and where the claim does not fit even with every
+/// device free, that is said with why (as `carve defrag` says it).
+#[derive(Debug)]
+pub struct NoFit {
+    /// The explanation on the node as it is, with the true suggestions only.
+    pub explanation: carve_alloc::Explanation,
+    /// Why the claim does not fit with every device free, when it does not.
+    pub on_empty: Option<carve_alloc::Explanation>,
+    /// What the node offers (one line per kind of device), when some request
+    /// finds no device even on the empty node.
+    pub offers: Vec<String>,
+}
+
+impl NoFit {
+    /// Check `explanation` of `claim` on `node` against `inputs`.
+    pub fn check(
+        inputs: &Inputs,
+        claim: &ResourceClaim,
+        node: &str,
+        mut explanation: carve_alloc::Explanation,
+    ) -> Result<NoFit, carve_alloc::AllocError> {
+        let mut kept = Vec::new();
+        for s in std::mem::take(&mut explanation.suggestions) {
+            let mut alloc = Allocator::new(inputs)?;
+            for r in &s.release {
+                alloc.release(&r.claim);
+            }
+            if alloc.allocate(claim, node).is_ok() {
+                kept.push(s);
+            }
+        }
+        explanation.suggestions = kept;
+        let empty_inputs = Inputs {
+            slices: inputs.slices.clone(),
+            classes: inputs.classes.clone(),
+            claims_allocated: Vec::new(),
+        };
+        let empty = Allocator::new(&empty_inputs)?;
+        let on_empty = match empty.allocate(claim, node) {
+            Ok(_) => None,
+            Err(carve_alloc::AllocError::Unsatisfiable(e)) => Some(*e),
+            Err(e) => return Err(e),
+        };
+        if on_empty.is_some() {
+            explanation.suggestions.clear();
+        }
+        let offers = if on_empty
+            .as_ref()
+            .is_some_and(|e| e.requests.iter().any(|r| r.candidates.is_empty()))
+        {
+            node_offers(inputs, node)
+        } else {
+            Vec::new()
+        };
+        Ok(NoFit {
+            explanation,
+            on_empty,
+            offers,
+        })
+    }
+
+    /// The text: the reasons (every rejected device with `devices`), and
+    /// what to try.
+    pub fn text(&self, devices: bool) -> String {
+        let mut out = String::new();
+        let e = &self.explanation;
+        match &self.on_empty {
+            Some(empty) => {
+                let _ = writeln!(
+                    out,
+                    "claim {} does not fit on node {} even with every device free, so no release of other claims can make it fit:",
+                    e.claim, e.node
+                );
+                let why = if devices {
+                    format!("{empty:#}")
+                } else {
+                    empty.to_string()
+                };
+                for l in why.lines().skip(1) {
+                    let _ = writeln!(out, "{l}");
+                }
+                if !self.offers.is_empty() {
+                    let _ = writeln!(out, "  node {} offers:", e.node);
+                    for o in &self.offers {
+                        let _ = writeln!(out, "    {o}");
+                    }
+                }
+            }
+            None => {
+                out.push_str(&if devices {
+                    format!("{e:#}")
+                } else {
+                    e.to_string()
+                });
+                if e.suggestions.is_empty() {
+                    let _ = writeln!(
+                        out,
+                        "  it would fit with every device free, but freeing any one device it could use is not enough: it needs several claims released (`carve defrag` looks for claims to move elsewhere)"
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    /// The JSON: the explanation, and `fitsOnEmptyNode`, `onEmptyNode`
+    /// (why not, when it does not) and `nodeOffers`.
+    pub fn json(&self) -> serde_json::Result<serde_json::Value> {
+        let mut v = serde_json::to_value(&self.explanation)?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert(
+                "fitsOnEmptyNode".into(),
+                serde_json::Value::Bool(self.on_empty.is_none()),
+            );
+            if let Some(e) = &self.on_empty {
+                o.insert("onEmptyNode".into(), serde_json::to_value(e)?);
+            }
+            if !self.offers.is_empty() {
+                o.insert("nodeOffers".into(), serde_json::to_value(&self.offers)?);
+            }
+        }
+        Ok(v)
+    }
+}
+
+/// The kinds of device `node` publishes, one line each: the class that
+/// selects them and their MIG profiles (for MIG partitions and their MPS
+/// shares) or GPU products.
+pub fn node_offers(inputs: &Inputs, node: &str) -> Vec<String> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut kinds: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for slice in inputs
+        .slices
+        .iter()
+        .filter(|s| s.spec.node_name.as_deref() == Some(node))
+        .filter(|s| s.spec.driver == carve_model::DRIVER_NAME)
+    {
+        for d in slice.spec.devices.iter().flatten() {
+            let attr = |k: &str| {
+                d.attributes
+                    .as_ref()
+                    .and_then(|a| a.get(k))
+                    .and_then(|a| a.string.clone())
+            };
+            let Some(kind) = attr("type") else { continue };
+            let what = attr("profile")
+                .or_else(|| attr("productName"))
+                .unwrap_or_else(|| d.name.clone());
+            kinds.entry(kind).or_default().insert(what);
+        }
+    }
+    kinds
+        .into_iter()
+        .map(|(kind, what)| {
+            let class = if kind == "gpu" {
+                carve_model::DRIVER_NAME.to_string()
+            } else {
+                format!("{kind}.{}", carve_model::DRIVER_NAME)
+            };
+            let label = match kind.as_str() {
+                "gpu" => "whole GPUs",
+                "mig" => "MIG partitions",
+                "mps" => "MPS shares of whole GPUs",
+                "mig-mps" => "MPS shares of MIG partitions",
+                "timeslice" => "time-sliced whole GPUs",
+                _ => "devices",
+            };
+            format!(
+                "{label} (class {class}): {}",
+                what.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        })
+        .collect()
+}
+
+/// The claim's allocation when it already has one: its own
+/// `status.allocation`, or that of the allocated claim of the same
+/// namespace/name in the state.
+fn existing_allocation(
+    inputs: &Inputs,
+    claim: &ResourceClaim,
+) -> Option<k8s_openapi::api::resource::v1::AllocationResult> {
+    if let Some(a) = claim.status.as_ref().and_then(|s| s.allocation.clone()) {
+        return Some(a);
+    }
+    let who = |c: &ResourceClaim| {
+        (
+            c.metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            c.metadata.name.clone().unwrap_or_default(),
+        )
+    };
+    inputs
+        .claims_allocated
+        .iter()
+        .find(|c| who(c) == who(claim))
+        .and_then(|c| c.status.as_ref()?.allocation.clone())
+}
+
+/// `request -> device (pool)` lines of an allocation.
+fn result_lines(result: &k8s_openapi::api::resource::v1::AllocationResult) -> String {
+    let mut out = String::new();
+    for r in result
+        .devices
+        .iter()
+        .flat_map(|d| d.results.iter().flatten())
+    {
+        let _ = write!(
+            out,
+            "  request {:<12} -> {} (pool {})",
+            r.request, r.device, r.pool
+        );
+        if let Some(c) = &r.consumed_capacity {
+            let caps: Vec<String> = c.iter().map(|(k, v)| format!("{k}={}", v.0)).collect();
+            let _ = write!(out, "  consumes {}", caps.join(" "));
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// What `explain` adds where the scheduler of Kubernetes 1.36 and earlier
 /// would still refuse a claim that fits.
 const UPSTREAM_LEAK_NOTE: &str = "  but kube-scheduler 1.36 and earlier (without kubernetes/kubernetes PR #140431) refuses it: its allocator keeps the shared counters of candidates it rejects on a constraint or taint (kubernetes/kubernetes#140436), and this claim's search rejects some; the pod stays pending there until the scheduler has the fix\n";
@@ -252,9 +499,10 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
         None => {
             let sargs = crate::slices::SlicesArgs {
                 gpus_flag: "--simulate-gpus",
+                sharing: Some(args.sharing.clone()),
                 ..crate::slices::SlicesArgs::simulated(
                     &args.simulate_gpus,
-                    carve_apiserver::KubeVersion::default(),
+                    args.kube_version,
                     args.node.as_deref().unwrap_or("sim-node"),
                 )
             };
@@ -291,6 +539,28 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
         }
         text
     };
+    if let Some(existing) = existing_allocation(&inputs, &claim) {
+        let results: Vec<_> = existing
+            .devices
+            .iter()
+            .flat_map(|d| d.results.iter().flatten())
+            .collect();
+        if args.json {
+            let json = serde_json::json!({
+                "claim": name,
+                "node": node,
+                "fits": true,
+                "alreadyAllocated": true,
+                "results": results,
+            });
+            return Ok((serde_json::to_string_pretty(&json)? + "\n", true));
+        }
+        let out = format!(
+            "claim {name} is already allocated (its status.allocation); it holds:\n{}  (explain a claim without status.allocation to see where it would go now)\n",
+            result_lines(&existing)
+        );
+        return Ok((out, true));
+    }
     let upstream_refuses = |fits: bool| -> anyhow::Result<bool> {
         Ok(fits && alloc.refused_by_upstream_counter_leak(&claim, &node)?)
     };
@@ -313,34 +583,20 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
         }
         Ok(result) => {
             let mut out = format!("claim {name} fits on node {node}:\n");
-            for r in result
-                .devices
-                .iter()
-                .flat_map(|d| d.results.iter().flatten())
-            {
-                let _ = write!(
-                    out,
-                    "  request {:<12} -> {} (pool {})",
-                    r.request, r.device, r.pool
-                );
-                if let Some(c) = &r.consumed_capacity {
-                    let caps: Vec<String> = c.iter().map(|(k, v)| format!("{k}={}", v.0)).collect();
-                    let _ = write!(out, "  consumes {}", caps.join(" "));
-                }
-                out.push('\n');
-            }
+            out.push_str(&result_lines(&result));
             if upstream_refuses(true)? {
                 out.push_str(UPSTREAM_LEAK_NOTE);
             }
             Ok((noted(out), true))
         }
         Err(carve_alloc::AllocError::Unsatisfiable(expl)) => {
+            let no_fit = NoFit::check(&inputs, &claim, &node, *expl)?;
             let text = if args.json {
-                serde_json::to_string_pretty(&expl)? + "\n"
+                serde_json::to_string_pretty(&no_fit.json()?)? + "\n"
             } else if args.devices {
-                format!("{expl:#}")
+                no_fit.text(true)
             } else {
-                noted(expl.to_string())
+                noted(no_fit.text(false))
             };
             Ok((text, false))
         }
@@ -363,6 +619,8 @@ mod tests {
             claim,
             slices: None,
             simulate_gpus: gpus.into(),
+            sharing: Vec::new(),
+            kube_version: carve_apiserver::KubeVersion::default(),
             node: None,
             json: false,
             devices: false,

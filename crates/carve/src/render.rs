@@ -20,6 +20,9 @@ pub struct Held {
     /// The instance is shared through MPS (a `mig-mps` device), however many
     /// shares it has now.
     pub shared: bool,
+    /// What its MPS shares consume of the instance (their allocated memory
+    /// and SMs, summed), for a shared instance.
+    pub used: Option<ShareUse>,
 }
 
 /// What one GPU looks like.
@@ -42,7 +45,25 @@ pub struct Whole {
     pub holders: Vec<String>,
     /// One claim alone, or shares through MPS or time-slicing.
     pub sharing: Sharing,
+    /// What the MPS shares consume of the GPU's capacity (their allocated
+    /// `memory` and `multiprocessors`, summed); none for an exclusive or
+    /// time-sliced GPU.
+    pub used: Option<ShareUse>,
 }
+
+/// Capacity the shares of a GPU consume.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShareUse {
+    /// Memory, MiB.
+    pub memory_mib: u64,
+    /// Streaming multiprocessors (a ceiling per share, summed).
+    pub multiprocessors: u64,
+}
+
+/// Cells of the text bar of a shared GPU's memory.
+const SHARE_BAR: usize = 20;
+/// Units across the SVG row of a shared GPU (its memory in hundredths).
+const SHARE_UNITS: usize = 100;
 
 impl Whole {
     /// The letter the picture uses.
@@ -111,9 +132,62 @@ impl GpuPicture {
         (cells, stranded)
     }
 
+    /// The shares' memory as a fraction of the GPU's, 0 to 1.
+    fn shared_fraction(&self, u: ShareUse) -> f64 {
+        let total = self.spec.memory_mib.max(1) as f64;
+        (u.memory_mib as f64 / total).clamp(0.0, 1.0)
+    }
+
+    /// Text of a GPU shared through MPS or time-slicing: by what the shares
+    /// use, not as memory slices (a shared GPU has no MIG partitions).
+    fn shared_text(&self, w: &Whole) -> Option<String> {
+        let mut out = String::new();
+        match (w.sharing, w.used) {
+            (Sharing::Mps, Some(u)) => {
+                let frac = self.shared_fraction(u);
+                let full = ((frac * SHARE_BAR as f64).ceil() as usize)
+                    .min(SHARE_BAR)
+                    .max(usize::from(u.memory_mib > 0));
+                let _ = writeln!(
+                    out,
+                    "{} ({}): shared through MPS, the shares use {} of {} MiB memory, {} of {} SMs (SM limits are ceilings)",
+                    self.name,
+                    self.spec.product_name,
+                    u.memory_mib,
+                    self.spec.memory_mib,
+                    u.multiprocessors,
+                    self.spec.multiprocessors
+                );
+                let _ = writeln!(
+                    out,
+                    "  memory |{}{}|",
+                    "M".repeat(full),
+                    ".".repeat(SHARE_BAR - full)
+                );
+                let _ = writeln!(out, "   M = {}", w.describe());
+            }
+            (Sharing::Timeslice, _) => {
+                let _ = writeln!(
+                    out,
+                    "{} ({}): time-sliced, every share sees all {} MiB and {} SMs (no memory partition)",
+                    self.name,
+                    self.spec.product_name,
+                    self.spec.memory_mib,
+                    self.spec.multiprocessors
+                );
+                let _ = writeln!(out, "   T = {}", w.describe());
+            }
+            _ => return None,
+        }
+        Some(out)
+    }
+
     /// Text picture: one row of cells, then a legend.
     #[must_use]
     pub fn to_text(&self) -> String {
+        if let Some(t) = self.whole.as_ref().and_then(|w| self.shared_text(w)) {
+            return t;
+        }
         let mut out = String::new();
         if !self.spec.mig_capable {
             let who = self
@@ -156,18 +230,27 @@ impl GpuPicture {
         let _ = writeln!(out, "{idx}");
         let _ = writeln!(out, "{row}");
         for (k, h) in self.held.iter().enumerate() {
+            let shared = match (h.shared, h.used) {
+                (false, _) => String::new(),
+                (true, None) => " (MIG instance shared through MPS)".into(),
+                (true, Some(u)) => {
+                    let p = self.spec.profiles.iter().find(|p| p.name == h.profile);
+                    format!(
+                        " (MIG instance shared through MPS; the shares use {} of {} MiB, {} of {} SMs)",
+                        u.memory_mib,
+                        p.map_or(0, |p| p.memory_mib),
+                        u.multiprocessors,
+                        p.map_or(0, |p| p.multiprocessors)
+                    )
+                }
+            };
             let _ = writeln!(
                 out,
-                "   {} = {} {} at slice {}{}",
+                "   {} = {} {} at slice {}{shared}",
                 letter(k),
                 h.holder,
                 h.profile,
                 h.start,
-                if h.shared {
-                    " (MIG instance shared through MPS)"
-                } else {
-                    ""
-                }
             );
         }
         if let Some(w) = &self.whole {
@@ -284,6 +367,33 @@ impl GpuPicture {
     /// slices, each free or stranded slice a block of its own, a whole GPU one
     /// block across the row.
     fn blocks(&self) -> Vec<Block> {
+        if let Some(w) = &self.whole
+            && let (Sharing::Mps, Some(u)) = (w.sharing, w.used)
+        {
+            let used = ((self.shared_fraction(u) * SHARE_UNITS as f64).round() as usize)
+                .clamp(usize::from(u.memory_mib > 0), SHARE_UNITS);
+            let mut out = vec![Block {
+                first: 0,
+                slices: used,
+                kind: Kind::WholeMps,
+                lines: vec![
+                    w.holders.join(", "),
+                    format!("{} MiB, {} SMs", u.memory_mib, u.multiprocessors),
+                ],
+            }];
+            if used < SHARE_UNITS {
+                out.push(Block {
+                    first: used,
+                    slices: SHARE_UNITS - used,
+                    kind: Kind::Free,
+                    lines: vec![format!(
+                        "free: {} MiB",
+                        self.spec.memory_mib.saturating_sub(u.memory_mib)
+                    )],
+                });
+            }
+            return out;
+        }
         if let Some(w) = &self.whole {
             return vec![Block {
                 first: 0,
@@ -443,6 +553,7 @@ mod tests {
                     profile: "1g.10gb".into(),
                     start: s,
                     shared: false,
+                    used: None,
                 })
                 .collect(),
             whole: None,
@@ -463,15 +574,54 @@ mod tests {
             whole: Some(Whole {
                 holders: vec!["a".into(), "b".into()],
                 sharing,
+                used: (sharing == Sharing::Mps).then_some(ShareUse {
+                    memory_mib: 10240,
+                    multiprocessors: 27,
+                }),
             }),
         };
+        // Drawn by what the shares use: 10 GiB of 40 GiB is a quarter.
         let t = g("a100-40gb", Sharing::Mps).to_text();
-        assert!(t.contains("8/8 memory slices used"), "{t}");
-        assert!(t.contains("|  M  |  M  |"), "{t}");
-        assert!(t.contains("M = a, b (whole GPU shared through MPS)"), "{t}");
-        let t = g("l4", Sharing::Timeslice).to_text();
+        assert!(!t.contains("memory slices used"), "{t}");
         assert!(
-            t.contains("not MIG-capable, whole GPU: a, b (whole GPU, time-sliced)"),
+            t.contains("the shares use 10240 of 40960 MiB memory, 27 of 108 SMs"),
+            "{t}"
+        );
+        assert!(t.contains("memory |MMMMM...............|"), "{t}");
+        assert!(t.contains("M = a, b (whole GPU shared through MPS)"), "{t}");
+        let svg = to_svg(&[g("a100-40gb", Sharing::Mps)]);
+        assert!(svg.contains("free: 30720 MiB"), "{svg}");
+        let t = g("l4", Sharing::Timeslice).to_text();
+        assert!(t.contains("time-sliced, every share sees all"), "{t}");
+        assert!(t.contains("T = a, b (whole GPU, time-sliced)"), "{t}");
+        // A MIG instance shared through MPS: its shares' use within it.
+        let m = GpuPicture {
+            name: "gpu-0".into(),
+            spec: GpuModel::find("h100").unwrap().spec(),
+            held: vec![Held {
+                holder: "a+b".into(),
+                profile: "3g.40gb".into(),
+                start: 0,
+                shared: true,
+                used: Some(ShareUse {
+                    memory_mib: 8192,
+                    multiprocessors: 20,
+                }),
+            }],
+            whole: None,
+        };
+        let t = m.to_text();
+        let p = m
+            .spec
+            .profiles
+            .iter()
+            .find(|p| p.name == "3g.40gb")
+            .unwrap();
+        assert!(
+            t.contains(&format!(
+                "A = a+b 3g.40gb at slice 0 (MIG instance shared through MPS; the shares use 8192 of {} MiB, 20 of {} SMs)",
+                p.memory_mib, p.multiprocessors
+            )),
             "{t}"
         );
         let svg = to_svg(&[g("h100", Sharing::Exclusive)]);
@@ -489,6 +639,7 @@ mod tests {
                 profile: "2g.12gb".into(),
                 start: 2,
                 shared: false,
+                used: None,
             }],
             whole: None,
         };

@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use crate::simulate::SimSharing;
 use anyhow::Context as _;
 use carve_model::order::DeviceOrder;
 use carve_model::slices::{self, KubeLayout, NodeGpu, SliceOptions};
@@ -57,10 +58,24 @@ pub enum AmpereMig {
     On,
 }
 
+/// The one simulated node that `carve simulate`, `carve explain` and `carve
+/// slices` default to (`--gpus`, explain's `--simulate-gpus`): room for every
+/// example, MIG on the H100s and whole-GPU, MPS and time-sliced shares on the
+/// A100s.
+pub const DEFAULT_GPUS: &str = "h100-80gb:2,a100-40gb:3";
+
+/// The shared devices those commands publish by default (`--sharing`).
+pub const DEFAULT_SHARING: [&str; 3] = ["mps", "mig-mps", "timeslice"];
+
+/// The Kubernetes version (slice layout) those commands default to
+/// (`--kube-version`).
+pub const DEFAULT_KUBE_VERSION: &str = "1.35";
+
 #[derive(Debug, clap::Args)]
 pub struct SlicesArgs {
-    /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`).
-    #[arg(long, default_value = "h100-80gb:8", value_parser = crate::parse_gpus_flag)]
+    /// GPUs of the simulated node: `model:count[,model:count]` (see `carve models`);
+    /// by default the node `carve simulate` and `carve explain` run.
+    #[arg(long, default_value = DEFAULT_GPUS, value_parser = crate::parse_gpus_flag)]
     pub gpus: String,
     /// The flag that gave `gpus`, for errors (`--simulate-gpus` in `explain`).
     #[arg(skip = "--gpus")]
@@ -77,7 +92,7 @@ pub struct SlicesArgs {
     #[arg(long, default_value = "dynamic", value_parser = crate::plugin::parse_mig_policy, requires = "from_nvml")]
     pub mig_policy: crate::plugin::MigPolicy,
     /// Kubernetes version of the API server; decides the slice layout (1.34 or 1.35+).
-    #[arg(long, default_value = "1.35", value_parser = crate::parse_kube_version)]
+    #[arg(long, default_value = DEFAULT_KUBE_VERSION, value_parser = crate::parse_kube_version)]
     pub kube_version: carve_apiserver::KubeVersion,
     /// MIG mode of the simulated Ampere GPUs (A100, A30), where changing it
     /// needs a GPU reset: `off` (the NVML simulator's and a new node's state)
@@ -86,9 +101,11 @@ pub struct SlicesArgs {
     #[arg(long, value_enum, default_value = "off")]
     pub ampere_mig_mode: AmpereMig,
     /// Shared devices to publish besides MIG placements and whole GPUs, as
-    /// the plugin's `--sharing`: `mps`, `mig-mps`, `timeslice`.
+    /// the plugin's `--sharing`: `mps`, `mig-mps`, `timeslice`, or `none`.
+    /// Default: `mps,mig-mps,timeslice` for the simulated node (as `carve
+    /// simulate` and `carve explain`), none with `--from-nvml` (as the plugin).
     #[arg(long, value_delimiter = ',', value_enum)]
-    pub sharing: Vec<crate::plugin::SharingKind>,
+    pub sharing: Option<Vec<crate::simulate::SimSharing>>,
     /// The MPS protocol the node's control daemon speaks (decides the
     /// enforcement levels MPS devices publish, as the plugin detects them).
     #[arg(long, value_enum, default_value = "v3")]
@@ -121,7 +138,7 @@ impl SlicesArgs {
             },
             kube_version,
             ampere_mig_mode: AmpereMig::Off,
-            sharing: Vec::new(),
+            sharing: None,
             mps_protocol: SliceMpsProtocol::V3,
             node: node.into(),
             order: Order::Carve,
@@ -152,6 +169,29 @@ fn simulated_policy(gpu: carve_model::spec::PhysicalGpu, mig: AmpereMig) -> Node
     }
 }
 
+/// The shared-device kinds to publish: `--sharing` as given, else the
+/// default ([`DEFAULT_SHARING`] for the simulated node, none from NVML).
+fn sharing_kinds(args: &SlicesArgs) -> anyhow::Result<Vec<SimSharing>> {
+    let kinds = match &args.sharing {
+        Some(k) => k.clone(),
+        None if args.from_nvml => Vec::new(),
+        None => default_sharing(),
+    };
+    if kinds.contains(&SimSharing::None) && kinds.len() > 1 {
+        anyhow::bail!("--sharing none cannot be combined with other kinds");
+    }
+    Ok(kinds)
+}
+
+/// [`DEFAULT_SHARING`] as values.
+pub fn default_sharing() -> Vec<SimSharing> {
+    use clap::ValueEnum as _;
+    DEFAULT_SHARING
+        .iter()
+        .filter_map(|k| SimSharing::from_str(k, false).ok())
+        .collect()
+}
+
 /// Build the slices of the simulated node, or of this node's GPUs with `--from-nvml`.
 pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
     let node: Vec<NodeGpu> = if args.from_nvml {
@@ -170,10 +210,10 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
     opts.order = args.order.into();
     // The plugin's rules (its `--sharing`), with the levels its MPS
     // detection would find for the protocol.
-    use crate::plugin::SharingKind;
-    opts.sharing.timeslice = args.sharing.contains(&SharingKind::Timeslice);
-    opts.sharing.mps = args.sharing.contains(&SharingKind::Mps);
-    opts.sharing.mig_mps = args.sharing.contains(&SharingKind::MigMps);
+    let sharing = sharing_kinds(args)?;
+    opts.sharing.timeslice = sharing.contains(&SimSharing::Timeslice);
+    opts.sharing.mps = sharing.contains(&SimSharing::Mps);
+    opts.sharing.mig_mps = sharing.contains(&SimSharing::MigMps);
     if opts.sharing.mps || opts.sharing.mig_mps {
         opts.sharing.mps_caps = Some(carve_mps::detect::capabilities(match args.mps_protocol {
             SliceMpsProtocol::V2 => carve_mps::Protocol::V2,
@@ -243,11 +283,22 @@ mod tests {
     fn table_lists_every_gpu_with_profile_counts() {
         let t = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
         assert!(t.contains("gpu-0  counter set gpu-0-counters"), "{t}");
-        assert!(t.contains("1g.10gb×7"), "{t}");
+        // The default sharing: each MIG placement has its MIG-MPS device
+        // (counted under its profile), and the L4's MPS share draws on a
+        // counter set.
+        assert!(t.contains("gpu-2  counter set gpu-2-counters"), "{t}");
+        assert!(t.contains("devices:  gpu×1 mps×1 timeslice×1"), "{t}");
+        let plain = run(&SlicesArgs {
+            sharing: Some(vec![SimSharing::None]),
+            ..args("h100-80gb:2,l4:1", 35, Output::Table)
+        })
+        .unwrap();
         assert!(
-            t.contains("gpu-2  counter set (none: not MIG-capable)"),
-            "{t}"
+            plain.contains("gpu-2  counter set (none: not MIG-capable)"),
+            "{plain}"
         );
+        assert!(plain.contains("1g.10gb×7 "), "{plain}");
+        assert!(t.contains("1g.10gb×14 "), "{t}");
     }
 
     #[test]

@@ -109,7 +109,18 @@ fn a_dynamic_node_publishes_what_the_plugin_would() {
         Some(&cfg),
     ));
     let sim = slices(&carve(
-        &["--gpus", "h100-80gb:2", "--node", "node-a", "-o", "json"],
+        // The plugin's default: no shared devices (a simulated node's
+        // default publishes simulate's).
+        &[
+            "--gpus",
+            "h100-80gb:2",
+            "--sharing",
+            "none",
+            "--node",
+            "node-a",
+            "-o",
+            "json",
+        ],
         None,
     ));
     let (read_dev, sim_dev) = (devices(&read), devices(&sim));

@@ -253,14 +253,18 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
             "{name}: no CDI id: {b:#?}"
         );
         // What the container gets (issue 16): the driver from the fake driver
-        // root, the MIG capability nodes per device.
-        assert!(
-            b.iter().any(|l| l
-                .trim_start()
-                .starts_with("container gets: env NVIDIA_VISIBLE_DEVICES=void")),
-            "{name}: {b:#?}"
-        );
-        assert!(
+        // root, said in full once (the first MIG claim's), then named; the MIG
+        // capability nodes per device.
+        let full = b.iter().any(|l| {
+            l.trim_start()
+                .starts_with("container gets: env NVIDIA_VISIBLE_DEVICES=void")
+        });
+        let same = b
+            .iter()
+            .any(|l| l.trim_start().starts_with("container gets: the same as "));
+        assert!(full != same, "{name}: {b:#?}");
+        assert_eq!(
+            full,
             b.iter()
                 .any(|l| l.contains("libraries, also at") && l.contains("libcuda.so.1")),
             "{name}: {b:#?}"
@@ -311,13 +315,19 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
     );
     assert_ne!(a, m, "one daemon per MPS device:\n{out}");
     assert!(
-        out.contains(" = mig-mps 2g.20gb at slice 0 (MIG instance shared through MPS)"),
+        // Drawn within its MIG instance by what its shares use.
+        out.contains(
+            " = mig-mps 2g.20gb at slice 0 (MIG instance shared through MPS; the shares use "
+        ),
         "{out}"
     );
+    // It asks for hard memory, which no device of this node offers: no
+    // release of other claims could help.
     let hard = block(&out, "mps-hard-limit");
     assert!(
-        hard.first()
-            .is_some_and(|l| l.ends_with("does not fit on sim-node now:")),
+        hard.first().is_some_and(
+            |l| l.ends_with("does not fit on sim-node, not even with every device free:")
+        ),
         "{hard:#?}\n{out}"
     );
     let ts = block(&out, "timeslice");
@@ -613,10 +623,13 @@ fn mps_v2_puts_the_limits_in_the_container_environment() {
     // Under v2 the unit serves one claim: the 10 GiB / 34 SM request is
     // rounded up to the whole A100 (40960 MiB, 108 SMs, 100 %).
     let pid = check_mps_share(&out, "mps-share", 40960, 108, "v2", "client");
+    // It asks for hard memory, which no device of this node offers: no
+    // release of other claims could help.
     let hard = block(&out, "mps-hard-limit");
     assert!(
-        hard.first()
-            .is_some_and(|l| l.ends_with("does not fit on sim-node now:")),
+        hard.first().is_some_and(
+            |l| l.ends_with("does not fit on sim-node, not even with every device free:")
+        ),
         "{hard:#?}\n{out}"
     );
     assert!(

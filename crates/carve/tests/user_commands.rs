@@ -83,7 +83,15 @@ fn rejections_are_one_line_per_reason_and_devices_only_on_request() {
             .replace("7g.80gb", "9g.999gb"),
     );
     let path = p.to_str().unwrap();
-    let grouped = carve(&["explain", path, "--simulate-gpus", "h200:8"]);
+    // No shared devices: the MIG and whole-GPU rejections only.
+    let grouped = carve(&[
+        "explain",
+        path,
+        "--simulate-gpus",
+        "h200:8",
+        "--sharing",
+        "none",
+    ]);
     assert_eq!(grouped.code, 1, "{}", grouped.stderr);
     let reason_lines: Vec<&str> = grouped
         .stdout
@@ -107,7 +115,15 @@ fn rejections_are_one_line_per_reason_and_devices_only_on_request() {
     );
     assert!(grouped.stdout.lines().count() < 10, "{}", grouped.stdout);
 
-    let listed = carve(&["explain", path, "--simulate-gpus", "h200:8", "--devices"]);
+    let listed = carve(&[
+        "explain",
+        path,
+        "--simulate-gpus",
+        "h200:8",
+        "--sharing",
+        "none",
+        "--devices",
+    ]);
     assert_eq!(listed.code, 1);
     let device_lines = listed
         .stdout
@@ -225,7 +241,15 @@ fn simulate_refuses_none_beside_other_sharing_kinds() {
 fn slices_of_a_simulated_ampere_gpu_follow_the_plugins_mig_mode_rules() {
     // MIG mode off (a new node): the plugin publishes only the whole A100,
     // since turning MIG on needs a GPU reset; carve slices must agree.
-    let off = carve(&["slices", "--gpus", "a100-40gb:1", "-o", "table"]);
+    let off = carve(&[
+        "slices",
+        "--gpus",
+        "a100-40gb:1",
+        "--sharing",
+        "none",
+        "-o",
+        "table",
+    ]);
     assert_eq!(off.code, 0, "{}", off.stderr);
     assert!(off.stdout.contains("devices:  gpu×1\n"), "{}", off.stdout);
     assert!(!off.stdout.contains("1g.5gb"), "{}", off.stdout);
@@ -236,6 +260,8 @@ fn slices_of_a_simulated_ampere_gpu_follow_the_plugins_mig_mode_rules() {
         "a100-40gb:1",
         "--ampere-mig-mode",
         "on",
+        "--sharing",
+        "none",
         "-o",
         "table",
     ]);
@@ -343,9 +369,20 @@ fn slices_publish_sharing_devices_as_the_plugin_would() {
     assert_eq!(attrs["mpsMemoryLimit"]["string"], "client", "{mps}");
     assert_eq!(attrs["mpsComputeLimit"]["string"], "percentage", "{mps}");
     assert!(devices.iter().any(|d| d["name"] == "gpu-0-ts"));
-    // Without --sharing: neither.
-    let plain = carve(&["slices", "--gpus", "h100-80gb:1", "-o", "json"]);
+    // With --sharing none: neither; without --sharing: both, as `carve
+    // simulate` publishes them by default.
+    let plain = carve(&[
+        "slices",
+        "--gpus",
+        "h100-80gb:1",
+        "--sharing",
+        "none",
+        "-o",
+        "json",
+    ]);
     assert!(!plain.stdout.contains("gpu-0-mps") && !plain.stdout.contains("gpu-0-ts"));
+    let default = carve(&["slices", "--gpus", "h100-80gb:1", "-o", "json"]);
+    assert!(default.stdout.contains("gpu-0-mps") && default.stdout.contains("gpu-0-ts"));
 }
 
 /// The error line carve prints (stderr's `carve: ...` line).
@@ -492,6 +529,7 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
         ],
         vec!["slices", "--kube-version", "1.38"],
         vec!["slices", "--kube-version", "1.33"],
+        vec!["explain", &claim, "--kube-version", "2.0"],
     ] {
         let r = carve_within(&args, 60).unwrap_or_else(|| panic!("{args:?} ran past 60 s"));
         assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
@@ -517,6 +555,9 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
         assert_eq!(r.code, 0, "{v}: {}", r.stderr);
     }
     let r = carve(&["explain", &claim, "--simulate-gpus", "h100:1"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // explain's simulated node takes a modelled version too.
+    let r = carve(&["explain", &claim, "--kube-version", "1.34", "--json"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
 

@@ -184,17 +184,25 @@ pub(super) async fn with_api(
     let mut plugin = Plugin::spawn(exe, node, &api.url(), args)?;
     let result = with_plugin(args, &mut plugin, api, client, node, set).await;
     plugin.stop();
+    // What to try next ends the report.
+    let said_next = |(code, next): (ExitCode, Vec<String>)| {
+        say("");
+        for l in next {
+            say(&l);
+        }
+        code
+    };
     if args.no_release {
         // The prepared state stays for inspection; daemons do not outlive the run.
         for l in mps_leftovers(node) {
             say(&format!("stopped: {l}"));
         }
-        return result;
+        return result.map(said_next);
     }
     let leftovers = final_check(node);
-    let code = result?;
+    let done = result?;
     leftovers?;
-    Ok(code)
+    Ok(said_next(done))
 }
 
 /// After the plugin is gone: no GPU instance, no CDI spec and no MPS daemon
@@ -364,7 +372,7 @@ pub(super) async fn with_plugin(
     client: kube::Client,
     node: &Node,
     set: &ClaimSet,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<(ExitCode, Vec<String>)> {
     let socket = node.registration_socket();
     let slices = wait_ready(plugin, &api.store(), &socket).await?;
     let kubelet = FakeKubelet::register(&socket, DRIVER_NAME)
@@ -406,13 +414,9 @@ pub(super) async fn with_plugin(
     if args.no_release {
         result?;
         say("");
-        say(&format!(
-            "not released (--no-release): {} claim(s) stay prepared; CDI specs in {}, the checkpoint under {}, GPU instances in {}",
-            prepared.len(),
-            node.cdi_dir.display(),
-            node.dir.path().join("state").display(),
-            node.sim_config_path.display()
-        ));
+        for l in kept_state_text(node, prepared.len()) {
+            say(&l);
+        }
     } else {
         let released = release(&s, &prepared).await;
         result?;
@@ -425,7 +429,83 @@ pub(super) async fn with_plugin(
             failures.join("; ")
         );
     }
-    Ok(exit_code(&unplaced))
+    Ok((exit_code(&unplaced), next_steps(args, &unplaced)))
+}
+
+/// What `--no-release` leaves, where it is, and how to clean it up: the
+/// NVML simulator's state (the GPU instances), the plugin's checkpoint, the
+/// CDI specs, and the tmpfs mounts under the directory (each MPS unit's
+/// /dev/shm, which stopping its daemon leaves mounted).
+pub(super) fn kept_state_text(node: &Node, claims: usize) -> Vec<String> {
+    let checkpoint = node.state_dir.join("checkpoint.json");
+    let checkpoint = if checkpoint.exists() {
+        checkpoint
+    } else {
+        node.state_dir.clone()
+    };
+    let mounts = mounts_under(node.dir.path());
+    let mut out = vec![
+        format!("not released (--no-release): {claims} claim(s) stay prepared; to inspect:"),
+        format!(
+            "  GPU instances (the NVML simulator's state): {}",
+            node.sim.state_file.display()
+        ),
+        format!("  the plugin's checkpoint: {}", checkpoint.display()),
+        format!("  CDI specs: {}", node.cdi_dir.display()),
+    ];
+    let rm = format!("rm -rf {}", node.dir.path().display());
+    if mounts.is_empty() {
+        out.push(format!("  clean up: {rm}"));
+    } else {
+        out.push(format!(
+            "  tmpfs mounts left ({}; each MPS unit's /dev/shm):",
+            mounts.len()
+        ));
+        for m in &mounts {
+            out.push(format!("    {}", m.display()));
+        }
+        let list: Vec<String> = mounts.iter().map(|m| m.display().to_string()).collect();
+        out.push(format!("  clean up: umount {} && {rm}", list.join(" ")));
+    }
+    out
+}
+
+/// Mount points at or under `dir`, from /proc/self/mountinfo, deepest first
+/// (the order they unmount in).
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut out: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| {
+            // mountinfo escapes space, tab, newline and backslash as octal.
+            PathBuf::from(
+                m.replace("\\040", " ")
+                    .replace("\\011", "\t")
+                    .replace("\\012", "\n")
+                    .replace("\\134", "\\"),
+            )
+        })
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    out.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    out.dedup();
+    out
+}
+
+/// The run's last lines: what to try next.
+pub(super) fn next_steps(args: &SimulateArgs, unplaced: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    if !unplaced.is_empty() {
+        out.push("next: `carve explain CLAIM.yaml` says why a claim does not fit and what would make it fit; `carve simulate --gpus ...` tries another node".to_string());
+    } else if args.no_release {
+        out.push("next: inspect the state named above, then run its clean-up line; without --no-release the run releases every claim and checks nothing is left".to_string());
+    } else if args.claims.is_none() {
+        out.push("next: `carve simulate --claims DIR` runs your own claims on this node; `carve explain CLAIM.yaml` shows where one would go".to_string());
+    } else {
+        out.push("next: `carve simulate --no-release` keeps the prepared state to inspect; `carve explain CLAIM.yaml` shows where one claim would go".to_string());
+    }
+    out
 }
 
 /// The plugin's warnings and errors so far (its log), which a user of the
@@ -454,6 +534,7 @@ pub(super) async fn apply_all(
     failures: &mut Vec<String>,
     unplaced: &mut Vec<String>,
 ) -> anyhow::Result<()> {
+    let mut containers_seen: Vec<(String, String)> = Vec::new();
     for c in claims {
         let allocated: Vec<ResourceClaim> = prepared.iter().map(|p| p.stored.clone()).collect();
         let inputs = Inputs {
@@ -468,11 +549,23 @@ pub(super) async fn apply_all(
             Ok(r) => r,
             Err((AllocError::Unsatisfiable(expl), _)) => {
                 let missing = classes_without_devices(s, c)?;
+                // The advice checked against the allocator: "would fit if"
+                // only where it would, and said when nothing can help.
+                let mut no_fit = crate::explain::NoFit::check(&inputs, &c.claim, NODE, *expl)
+                    .map_err(|e| claim_error(e, c, &c.label()))?;
+                let offers = std::mem::take(&mut no_fit.offers);
                 if missing.is_empty() {
-                    say(&format!("- {}: does not fit on {NODE} now:", c.label()));
+                    if no_fit.on_empty.is_some() {
+                        say(&format!(
+                            "- {}: does not fit on {NODE}, not even with every device free:",
+                            c.label()
+                        ));
+                    } else {
+                        say(&format!("- {}: does not fit on {NODE} now:", c.label()));
+                    }
                     // One line per reason (a false selector included: on a
                     // node without the profile it is the only reason).
-                    let text = expl.to_string();
+                    let text = no_fit.text(false);
                     let lines: Vec<&str> = text.lines().skip(1).collect();
                     for l in lines.iter().take(EXPLAIN_LINES) {
                         say(&format!("  {l}"));
@@ -494,6 +587,12 @@ pub(super) async fn apply_all(
                 for l in &unfit.lines {
                     say(&format!("  {l}"));
                 }
+                if !offers.is_empty() {
+                    say(&format!("  {NODE} offers:"));
+                    for o in &offers {
+                        say(&format!("    {o}"));
+                    }
+                }
                 match unfit.expected {
                     Some(why) => say(&format!("  (as expected on this node: {why})")),
                     None => unplaced.push(c.name().to_string()),
@@ -504,7 +603,7 @@ pub(super) async fn apply_all(
         };
         match prepare(s, c, result).await? {
             Outcome::Prepared(p) => {
-                say(&prepared_text(s.node, &p));
+                say(&prepared_text(s.node, &p, &mut containers_seen));
                 for why in p
                     .devices
                     .iter()

@@ -137,7 +137,7 @@ pub struct SimulateArgs {
     /// published as a whole GPU only. The default has room for every example: the
     /// MIG ones and the MIG-MPS share on the H100s, the whole GPU, the MPS shares
     /// and the time-sliced GPU on one A100 each.
-    #[arg(long, default_value = "h100-80gb:2,a100-40gb:3", value_parser = crate::parse_gpus_flag)]
+    #[arg(long, default_value = crate::slices::DEFAULT_GPUS, value_parser = crate::parse_gpus_flag)]
     pub gpus: String,
     /// Shared devices the plugin publishes besides MIG partitions and whole GPUs
     /// (its `--sharing`): `mps` (MPS shares of a whole GPU), `mig-mps` (of a MIG
@@ -147,7 +147,7 @@ pub struct SimulateArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_values = ["mps", "mig-mps", "timeslice"]
+        default_values = crate::slices::DEFAULT_SHARING
     )]
     pub sharing: Vec<SimSharing>,
     /// MPS control protocol the plugin uses (its `--mps-protocol`): `v3` gives
@@ -164,7 +164,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub claims: Option<PathBuf>,
     /// Kubernetes version the API-server stand-in reports (decides the slice layout).
-    #[arg(long, default_value = "1.35", value_parser = crate::parse_kube_version)]
+    #[arg(long, default_value = crate::slices::DEFAULT_KUBE_VERSION, value_parser = crate::parse_kube_version)]
     pub kube_version: KubeVersion,
     /// Keep the temporary directory (sockets, CDI specs, checkpoint, simulator
     /// state, plugin log) and print its path.

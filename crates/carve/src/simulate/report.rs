@@ -149,11 +149,24 @@ pub(super) fn container_text(edits: &serde_json::Value) -> String {
     )
 }
 
-pub(super) fn prepared_text(node: &Node, p: &Prepared) -> String {
+/// The report of one prepared claim. What its container gets is said in
+/// full once per distinct content: `seen` holds each content said so far
+/// with the claim that first had it, and a claim whose container gets the
+/// same names that claim instead.
+pub(super) fn prepared_text(node: &Node, p: &Prepared, seen: &mut Vec<(String, String)>) -> String {
     let mut out = format!("- {}: allocated and prepared", p.source.label());
     let spec = claim_spec(node, &p.uid);
     if let Some(common) = spec.as_ref().and_then(|v| v.get("containerEdits")) {
-        out.push_str(&container_text(common));
+        let text = container_text(common);
+        match seen.iter().find(|(t, _)| *t == text) {
+            Some((_, first)) => {
+                let _ = write!(out, "\n    container gets: the same as {first}'s");
+            }
+            None => {
+                out.push_str(&text);
+                seen.push((text, p.source.name().to_string()));
+            }
+        }
     }
     for d in &p.devices {
         let _ = write!(out, "\n    request {} -> {}", d.request, d.device);
@@ -318,6 +331,30 @@ pub(super) fn compute_why(level: Option<&str>) -> &'static str {
     }
 }
 
+/// What the allocation result of `d` consumes: memory (MiB) and SMs.
+fn consumed(p: &Prepared, d: &PreparedDevice) -> (u64, u64) {
+    let result = p
+        .stored
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|ds| ds.results.as_ref())
+        .and_then(|rs| {
+            rs.iter()
+                .find(|r| r.device == d.device && r.request == d.request)
+        });
+    let get = |k: &str| -> u64 {
+        result
+            .and_then(|r| r.consumed_capacity.as_ref()?.get(k))
+            .and_then(|q| carve_alloc::quantity::Qty::parse(&q.0).ok())
+            .and_then(|q| q.as_i64_ceil())
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(0)
+    };
+    (get("memory") / (1024 * 1024), get("multiprocessors"))
+}
+
 /// One picture per GPU of who holds which memory slice.
 pub(super) fn pictures(node: &Node, prepared: &[Prepared]) -> Vec<GpuPicture> {
     let mut by_gpu: BTreeMap<u32, (Vec<Held>, Option<Whole>)> = BTreeMap::new();
@@ -338,9 +375,16 @@ pub(super) fn pictures(node: &Node, prepared: &[Prepared]) -> Vec<GpuPicture> {
                 let w = e.1.get_or_insert_with(|| Whole {
                     holders: Vec::new(),
                     sharing,
+                    used: None,
                 });
                 if !w.holders.contains(&holder) {
                     w.holders.push(holder.clone());
+                }
+                if sharing == Sharing::Mps {
+                    let u = w.used.get_or_insert_with(crate::render::ShareUse::default);
+                    let (memory_mib, multiprocessors) = consumed(p, d);
+                    u.memory_mib += memory_mib;
+                    u.multiprocessors += multiprocessors;
                 }
                 continue;
             }
@@ -354,21 +398,34 @@ pub(super) fn pictures(node: &Node, prepared: &[Prepared]) -> Vec<GpuPicture> {
                 continue;
             };
             // Shares of one MIG instance through MPS: one instance, several holders.
-            match e
+            let shared = matches!(name, DeviceName::MigMps { .. });
+            let i = match e
                 .0
-                .iter_mut()
-                .find(|h| h.profile == profile && h.start == start)
+                .iter()
+                .position(|h| h.profile == profile && h.start == start)
             {
-                Some(h) => {
-                    h.holder.push('+');
-                    h.holder.push_str(&holder);
+                Some(i) => {
+                    e.0[i].holder.push('+');
+                    e.0[i].holder.push_str(&holder);
+                    i
                 }
-                None => e.0.push(Held {
-                    holder: holder.clone(),
-                    profile,
-                    start,
-                    shared: matches!(name, DeviceName::MigMps { .. }),
-                }),
+                None => {
+                    e.0.push(Held {
+                        holder: holder.clone(),
+                        profile,
+                        start,
+                        shared,
+                        used: None,
+                    });
+                    e.0.len() - 1
+                }
+            };
+            let h = &mut e.0[i];
+            if shared {
+                let u = h.used.get_or_insert_with(crate::render::ShareUse::default);
+                let (memory_mib, multiprocessors) = consumed(p, d);
+                u.memory_mib += memory_mib;
+                u.multiprocessors += multiprocessors;
             }
         }
     }

@@ -50,17 +50,17 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
 }
 
-fn yaml_file(path: &Path) -> serde_yaml::Value {
-    serde_yaml::from_str(&read(path)).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+fn yaml_file(path: &Path) -> serde_norway::Value {
+    serde_norway::from_str(&read(path)).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
 }
 
 // ---------------------------------------------------------------- values
 
 /// Helm's value coalescing: maps merge key by key, anything else in the
 /// overlay replaces the base, and an overlay `null` deletes the key.
-fn merge_values(base: &mut serde_yaml::Value, overlay: &serde_yaml::Value) {
+fn merge_values(base: &mut serde_norway::Value, overlay: &serde_norway::Value) {
     match (base, overlay) {
-        (serde_yaml::Value::Mapping(b), serde_yaml::Value::Mapping(o)) => {
+        (serde_norway::Value::Mapping(b), serde_norway::Value::Mapping(o)) => {
             for (k, v) in o {
                 if v.is_null() {
                     b.remove(k);
@@ -75,22 +75,22 @@ fn merge_values(base: &mut serde_yaml::Value, overlay: &serde_yaml::Value) {
     }
 }
 
-fn default_values() -> serde_yaml::Value {
+fn default_values() -> serde_norway::Value {
     yaml_file(&chart_dir().join("values.yaml"))
 }
 
-fn values_with(overlay_yaml: &str) -> serde_yaml::Value {
+fn values_with(overlay_yaml: &str) -> serde_norway::Value {
     let mut v = default_values();
-    let overlay: serde_yaml::Value = serde_yaml::from_str(overlay_yaml).expect("overlay parses");
+    let overlay: serde_norway::Value = serde_norway::from_str(overlay_yaml).expect("overlay parses");
     merge_values(&mut v, &overlay);
     v
 }
 
-fn kind_values() -> serde_yaml::Value {
+fn kind_values() -> serde_norway::Value {
     values_with(&read(&repo_root().join("deploy/kind/values-kind.yaml")))
 }
 
-fn to_json(v: &serde_yaml::Value) -> Json {
+fn to_json(v: &serde_norway::Value) -> Json {
     serde_json::to_value(v).expect("values convert to JSON")
 }
 
@@ -125,13 +125,13 @@ fn helm(job: Json) -> Json {
 /// Helm itself, as `helm template carve -n carve-system` does: schema
 /// validation, then every template; parses the output into YAML documents.
 /// `Err` is Helm's refusal (a schema violation or a template `fail`).
-fn render_chart(values: &serde_yaml::Value) -> Result<Vec<Doc>, String> {
+fn render_chart(values: &serde_norway::Value) -> Result<Vec<Doc>, String> {
     render_with(values, false)
 }
 
 /// As [`render_chart`]; `skip_schema` renders without `values.schema.json`
 /// (`helm template --skip-schema-validation`), to show the templates' checks.
-fn render_with(values: &serde_yaml::Value, skip_schema: bool) -> Result<Vec<Doc>, String> {
+fn render_with(values: &serde_norway::Value, skip_schema: bool) -> Result<Vec<Doc>, String> {
     let out = helm(serde_json::json!({
         "op": "render",
         "chart": chart_dir(),
@@ -149,7 +149,7 @@ fn render_with(values: &serde_yaml::Value, skip_schema: bool) -> Result<Vec<Doc>
     for (path, text) in manifests {
         let name = path.rsplit('/').next().unwrap_or(&path).to_string();
         for (i, text) in split_documents(&text).into_iter().enumerate() {
-            let value: Json = serde_yaml::from_str(&text)
+            let value: Json = serde_norway::from_str(&text)
                 .map_err(|e| format!("{name} document {i}: {e}\n{text}"))?;
             if value.is_null() {
                 continue;
@@ -164,7 +164,7 @@ fn render_with(values: &serde_yaml::Value, skip_schema: bool) -> Result<Vec<Doc>
 }
 
 /// `helm lint --strict` with `values`: the messages at warning or above.
-fn lint(values: &serde_yaml::Value) -> Vec<String> {
+fn lint(values: &serde_norway::Value) -> Vec<String> {
     let out = helm(serde_json::json!({
         "op": "lint",
         "chart": chart_dir(),
@@ -313,7 +313,7 @@ fn validate(docs: &[Doc]) -> Manifests {
     m
 }
 
-fn render_valid(values: &serde_yaml::Value) -> Manifests {
+fn render_valid(values: &serde_norway::Value) -> Manifests {
     let docs = render_chart(values).unwrap_or_else(|e| panic!("render failed: {e}"));
     validate(&docs)
 }
@@ -852,7 +852,7 @@ fn kind_simulator_config_is_accepted_by_the_simulator() {
     assert!(!keys.is_empty());
 
     let kind = yaml_file(&repo_root().join("deploy/kind/kind-config.yaml"));
-    let workers: Vec<&serde_yaml::Value> = kind["nodes"]
+    let workers: Vec<&serde_norway::Value> = kind["nodes"]
         .as_sequence()
         .unwrap()
         .iter()
@@ -873,11 +873,11 @@ fn kind_simulator_config_is_accepted_by_the_simulator() {
     for gate in ["DRAPartitionableDevices", "DRAConsumableCapacity"] {
         assert_eq!(
             kind["featureGates"][gate],
-            serde_yaml::Value::Bool(true),
+            serde_norway::Value::Bool(true),
             "{gate}"
         );
     }
-    let patches = serde_yaml::to_string(&kind["containerdConfigPatches"]).unwrap();
+    let patches = serde_norway::to_string(&kind["containerdConfigPatches"]).unwrap();
     assert!(patches.contains("enable_cdi = true"), "{patches}");
     assert!(patches.contains("\"/var/run/cdi\""), "{patches}");
 }
@@ -947,10 +947,10 @@ fn mps_without_privileged_is_rejected() {
 
 /// A kind-values overlay with one simulator setting replaced.
 fn kind_overlay(change: &str) -> String {
-    let mut v: serde_yaml::Value =
-        serde_yaml::from_str(&read(&repo_root().join("deploy/kind/values-kind.yaml"))).unwrap();
-    merge_values(&mut v, &serde_yaml::from_str(change).unwrap());
-    serde_yaml::to_string(&v).unwrap()
+    let mut v: serde_norway::Value =
+        serde_norway::from_str(&read(&repo_root().join("deploy/kind/values-kind.yaml"))).unwrap();
+    merge_values(&mut v, &serde_norway::from_str(change).unwrap());
+    serde_norway::to_string(&v).unwrap()
 }
 
 #[test]
@@ -958,7 +958,7 @@ fn simulator_without_library_takes_nvml_from_the_driver_root() {
     // The simulator placed where a GPU node's driver has libnvidia-ml.so.1
     // (the real-cluster suite does so): no --nvml-lib, the plugin looks in
     // the driver root.
-    let v: serde_yaml::Value = serde_yaml::from_str(&kind_overlay("nvml: {lib: ''}")).unwrap();
+    let v: serde_norway::Value = serde_norway::from_str(&kind_overlay("nvml: {lib: ''}")).unwrap();
     let m = render_valid(&v);
     let a = args(plugin_container(one(&m.daemonsets, "DaemonSet")));
     assert!(!a.iter().any(|x| x.starts_with("--nvml-lib")), "{a:?}");
@@ -1423,7 +1423,7 @@ fn device_class_selectors_match_examples() {
     let text = read(&path);
     let docs: Vec<Doc> = split_documents(&text)
         .into_iter()
-        .filter_map(|t| serde_yaml::from_str::<Json>(&t).ok())
+        .filter_map(|t| serde_norway::from_str::<Json>(&t).ok())
         .filter(|v| !v.is_null())
         .map(|value| Doc {
             template: "examples/deviceclasses.yaml".into(),
@@ -1443,12 +1443,12 @@ fn device_class_selectors_match_examples() {
 
 #[test]
 fn values_merge_like_helm() {
-    let mut base: serde_yaml::Value =
-        serde_yaml::from_str("{a: {b: 1, c: 2}, l: [1, 2], k: v}").unwrap();
-    let overlay: serde_yaml::Value =
-        serde_yaml::from_str("{a: {c: 3, d: 4}, l: [9], k: null}").unwrap();
+    let mut base: serde_norway::Value =
+        serde_norway::from_str("{a: {b: 1, c: 2}, l: [1, 2], k: v}").unwrap();
+    let overlay: serde_norway::Value =
+        serde_norway::from_str("{a: {c: 3, d: 4}, l: [9], k: null}").unwrap();
     merge_values(&mut base, &overlay);
-    let want: serde_yaml::Value = serde_yaml::from_str("{a: {b: 1, c: 3, d: 4}, l: [9]}").unwrap();
+    let want: serde_norway::Value = serde_norway::from_str("{a: {b: 1, c: 3, d: 4}, l: [9]}").unwrap();
     assert_eq!(base, want);
 }
 

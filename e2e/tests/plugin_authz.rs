@@ -64,7 +64,7 @@ fn chart_rules() -> Vec<PolicyRule> {
         "the ClusterRole's rules in {} hold Helm directives; parse them another way",
         path.display()
     );
-    let parsed: RulesOnly = serde_yaml::from_str(&role[at..])
+    let parsed: RulesOnly = serde_norway::from_str(&role[at..])
         .unwrap_or_else(|e| panic!("the ClusterRole's rules in {}: {e}", path.display()));
     assert!(!parsed.rules.is_empty());
     parsed

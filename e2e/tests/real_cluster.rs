@@ -300,7 +300,7 @@ fn load_example(dir: &Path, script: &str) -> R<Example> {
         let Ok(text) = std::fs::read_to_string(&p) else {
             continue;
         };
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in serde_norway::Deserializer::from_str(&text) {
             let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
             match v["kind"].as_str() {
                 Some("ResourceClaim") => claims.push(serde_json::from_value(v)?),

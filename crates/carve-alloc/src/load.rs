@@ -157,7 +157,7 @@ fn field_path(p: &serde_ignored::Path<'_>) -> String {
 fn decode<T: serde::de::DeserializeOwned>(
     at: At<'_>,
     kind: &str,
-    value: serde_yaml::Value,
+    value: serde_norway::Value,
 ) -> Result<T, LoadError> {
     let mut unknown: Option<String> = None;
     let mut note = |field: serde_ignored::Path<'_>| {
@@ -203,7 +203,7 @@ fn claim_from_template(t: ResourceClaimTemplate) -> ResourceClaim {
 
 fn type_field(
     at: At<'_>,
-    value: &serde_yaml::Value,
+    value: &serde_norway::Value,
     name: &'static str,
 ) -> Result<String, LoadError> {
     value
@@ -221,7 +221,7 @@ fn type_field(
 /// yaml` prints for several objects).
 fn decode_object(
     at: At<'_>,
-    value: serde_yaml::Value,
+    value: serde_norway::Value,
     out: &mut Vec<Object>,
 ) -> Result<(), LoadError> {
     let api_version = type_field(at, &value, "apiVersion")?;
@@ -233,12 +233,12 @@ fn decode_object(
                 index: at.index,
                 msg,
             };
-            let serde_yaml::Value::Mapping(mut map) = value else {
+            let serde_norway::Value::Mapping(mut map) = value else {
                 return Err(bad("not a mapping"));
             };
             let items = match map.remove("items") {
-                Some(serde_yaml::Value::Sequence(items)) => items,
-                Some(serde_yaml::Value::Null) | None => Vec::new(),
+                Some(serde_norway::Value::Sequence(items)) => items,
+                Some(serde_norway::Value::Null) | None => Vec::new(),
                 Some(_) => return Err(bad("not a list")),
             };
             for (i, item) in items.into_iter().enumerate() {
@@ -281,8 +281,8 @@ fn decode_object(
 /// made from it.
 pub fn parse_yaml_documents(path: &Path, text: &str) -> Result<Vec<Object>, LoadError> {
     let mut out = Vec::new();
-    for (index, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value = serde_yaml::Value::deserialize(doc).map_err(|e| LoadError::Yaml {
+    for (index, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let value = serde_norway::Value::deserialize(doc).map_err(|e| LoadError::Yaml {
             path: path.to_path_buf(),
             index,
             msg: e.to_string(),

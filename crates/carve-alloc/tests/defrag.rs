@@ -447,15 +447,15 @@ fn plans_from_a_state_file_match_and_bad_requests_are_named() {
     let mut text = String::new();
     for s in &inputs.slices {
         text.push_str("---\n");
-        text.push_str(&serde_yaml::to_string(s).unwrap());
+        text.push_str(&serde_norway::to_string(s).unwrap());
     }
     for c in &inputs.classes {
         text.push_str("---\n");
-        text.push_str(&serde_yaml::to_string(c).unwrap());
+        text.push_str(&serde_norway::to_string(c).unwrap());
     }
     for c in &inputs.claims_allocated {
         text.push_str("---\n");
-        text.push_str(&serde_yaml::to_string(c).unwrap());
+        text.push_str(&serde_norway::to_string(c).unwrap());
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.yaml");

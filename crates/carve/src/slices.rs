@@ -308,7 +308,7 @@ mod tests {
         let docs: Vec<ResourceSlice> = y
             .split("---\n")
             .filter(|d| !d.trim().is_empty())
-            .map(|d| serde_yaml::from_str(d).unwrap())
+            .map(|d| serde_norway::from_str(d).unwrap())
             .collect();
         assert_eq!(docs, build(&a).unwrap());
     }

@@ -1,26 +1,26 @@
 //! YAML that YAML 1.1 readers read back as it was written.
 //!
-//! `serde_yaml` quotes a string only where its own YAML 1.2 resolver would
+//! `serde_norway` quotes a string only where its own YAML 1.2 resolver would
 //! read it as something else (`"true"`, `"80"`, `"null"`). YAML 1.1 readers
 //! (PyYAML, Go's `gopkg.in/yaml.v2`, Ruby's Psych) resolve more plain
 //! scalars: `0000:18:00.0` and `1:20` are base-60 numbers, `0755` is octal,
 //! `yes`/`no`/`on`/`off`/`y`/`n` are booleans, `1_000` is a number,
-//! `2024-01-02` is a date. [`to_string`] serializes with `serde_yaml` and
-//! then single-quotes every plain scalar that `serde_yaml` reads back as a
+//! `2024-01-02` is a date. [`to_string`] serializes with `serde_norway` and
+//! then single-quotes every plain scalar that `serde_norway` reads back as a
 //! string but that a YAML 1.1 reader would not, so both read the same value.
 
 use serde::Serialize;
 
-/// `value` as YAML (`serde_yaml`'s block style) whose strings a YAML 1.1
+/// `value` as YAML (`serde_norway`'s block style) whose strings a YAML 1.1
 /// reader reads as strings, see the module documentation.
 ///
 /// # Errors
-/// `serde_yaml`'s, when `value` cannot be serialized.
-pub fn to_string<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_yaml::Error> {
-    Ok(quote_yaml11(&serde_yaml::to_string(value)?))
+/// `serde_norway`'s, when `value` cannot be serialized.
+pub fn to_string<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_norway::Error> {
+    Ok(quote_yaml11(&serde_norway::to_string(value)?))
 }
 
-/// Single-quote the plain scalars of `serde_yaml`'s block-style output
+/// Single-quote the plain scalars of `serde_norway`'s block-style output
 /// that it reads as strings and YAML 1.1 does not; the rest is unchanged.
 pub fn quote_yaml11(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -125,7 +125,7 @@ fn quoted_end(s: &str, q: u8) -> Option<usize> {
     None
 }
 
-/// `s` single-quoted where it is a plain scalar that `serde_yaml` reads as
+/// `s` single-quoted where it is a plain scalar that `serde_norway` reads as
 /// a string and a YAML 1.1 reader as something else; else `s`.
 fn quote_scalar(s: &str) -> String {
     let plain = !matches!(
@@ -135,8 +135,8 @@ fn quote_scalar(s: &str) -> String {
     if plain
         && yaml11_not_a_string(s)
         && matches!(
-            serde_yaml::from_str::<serde_yaml::Value>(s),
-            Ok(serde_yaml::Value::String(_))
+            serde_norway::from_str::<serde_norway::Value>(s),
+            Ok(serde_norway::Value::String(_))
         )
     {
         format!("'{}'", s.replace('\'', "''"))
@@ -252,11 +252,11 @@ mod tests {
         }
     }
 
-    /// What PyYAML would misread is quoted; what serde_yaml writes as a
+    /// What PyYAML would misread is quoted; what serde_norway writes as a
     /// number, a bool or null stays one; every value reads back the same.
     #[test]
     fn strings_are_quoted_and_everything_reads_back() {
-        let mut m: BTreeMap<String, serde_yaml::Value> = BTreeMap::new();
+        let mut m: BTreeMap<String, serde_norway::Value> = BTreeMap::new();
         let strings = [
             "0000:18:00.0",
             "1:20",
@@ -277,15 +277,15 @@ mod tests {
         m.insert("int".into(), 80.into());
         m.insert("float".into(), 1.5.into());
         m.insert("bool".into(), true.into());
-        m.insert("null".into(), serde_yaml::Value::Null);
+        m.insert("null".into(), serde_norway::Value::Null);
         m.insert("1:20".into(), "key misread too".into());
         m.insert(
             "list".into(),
-            serde_yaml::to_value(vec!["0755", "on", "plain"]).unwrap(),
+            serde_norway::to_value(vec!["0755", "on", "plain"]).unwrap(),
         );
         m.insert(
             "nested".into(),
-            serde_yaml::to_value(vec![BTreeMap::from([("bus", "0000:18:00.0")])]).unwrap(),
+            serde_norway::to_value(vec![BTreeMap::from([("bus", "0000:18:00.0")])]).unwrap(),
         );
         m.insert("block".into(), "line one\nyes\n1:20\n".into());
         let out = to_string(&m).unwrap();
@@ -311,7 +311,7 @@ mod tests {
         ] {
             assert!(out.contains(want), "{want:?} in\n{out}");
         }
-        let back: BTreeMap<String, serde_yaml::Value> = serde_yaml::from_str(&out).unwrap();
+        let back: BTreeMap<String, serde_norway::Value> = serde_norway::from_str(&out).unwrap();
         assert_eq!(back, m, "\n{out}");
     }
 

@@ -236,7 +236,7 @@ fn every_example_is_a_pod_with_its_template_and_the_apply_commands() {
         );
         let text = std::fs::read_to_string(dir.join("pod.yaml"))
             .unwrap_or_else(|e| panic!("{name}/pod.yaml: {e}"));
-        let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+        let docs: Vec<serde_norway::Value> = serde_norway::Deserializer::from_str(&text)
             .map(|d| serde::Deserialize::deserialize(d).unwrap())
             .collect();
         let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();

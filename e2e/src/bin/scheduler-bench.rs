@@ -176,7 +176,7 @@ fn device_classes(c: &Cluster) -> R<Vec<DeviceClass>> {
         "templates/deviceclasses.yaml",
     ])?;
     let mut classes = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&out) {
+    for doc in serde_norway::Deserializer::from_str(&out) {
         let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
         if v["kind"] == "DeviceClass" {
             classes.push(serde_json::from_value(v)?);

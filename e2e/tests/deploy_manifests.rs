@@ -51,7 +51,8 @@ fn read(path: &Path) -> String {
 }
 
 fn yaml_file(path: &Path) -> serde_norway::Value {
-    serde_norway::from_str(&read(path)).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+    serde_norway::from_str(&read(path))
+        .unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
 }
 
 // ---------------------------------------------------------------- values
@@ -81,7 +82,8 @@ fn default_values() -> serde_norway::Value {
 
 fn values_with(overlay_yaml: &str) -> serde_norway::Value {
     let mut v = default_values();
-    let overlay: serde_norway::Value = serde_norway::from_str(overlay_yaml).expect("overlay parses");
+    let overlay: serde_norway::Value =
+        serde_norway::from_str(overlay_yaml).expect("overlay parses");
     merge_values(&mut v, &overlay);
     v
 }
@@ -1448,7 +1450,8 @@ fn values_merge_like_helm() {
     let overlay: serde_norway::Value =
         serde_norway::from_str("{a: {c: 3, d: 4}, l: [9], k: null}").unwrap();
     merge_values(&mut base, &overlay);
-    let want: serde_norway::Value = serde_norway::from_str("{a: {b: 1, c: 3, d: 4}, l: [9]}").unwrap();
+    let want: serde_norway::Value =
+        serde_norway::from_str("{a: {b: 1, c: 3, d: 4}, l: [9]}").unwrap();
     assert_eq!(base, want);
 }
 

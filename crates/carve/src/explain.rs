@@ -20,8 +20,15 @@ pub struct ExplainArgs {
     #[arg(long, conflicts_with = "simulate_gpus")]
     pub slices: Option<PathBuf>,
     /// Explain against an empty simulated node with these GPUs (`model:count,...`):
-    /// by default the node `carve simulate` and `carve slices` run.
-    #[arg(long, default_value = crate::slices::DEFAULT_GPUS, value_parser = crate::parse_gpus_flag)]
+    /// by default the node `carve simulate` and `carve slices` run. The same
+    /// flag as theirs (`--simulate-gpus`, its former name, still works).
+    #[arg(
+        long = "gpus",
+        alias = "simulate-gpus",
+        value_name = "GPUS",
+        default_value = crate::slices::DEFAULT_GPUS,
+        value_parser = crate::parse_gpus_flag
+    )]
     pub simulate_gpus: String,
     /// Shared devices the simulated node publishes besides MIG partitions and
     /// whole GPUs, as `carve simulate --sharing`: `mps`, `mig-mps`,
@@ -498,7 +505,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
         Some(p) => carve_alloc::load_yaml_documents(p)?,
         None => {
             let sargs = crate::slices::SlicesArgs {
-                gpus_flag: "--simulate-gpus",
+                gpus_flag: "--gpus",
                 sharing: Some(args.sharing.clone()),
                 ..crate::slices::SlicesArgs::simulated(
                     &args.simulate_gpus,

@@ -239,7 +239,7 @@ pub(crate) fn parse_kube_version(s: &str) -> Result<carve_apiserver::KubeVersion
     }
 }
 
-/// Check a `--gpus` / `--simulate-gpus` list (`model:count[,model:count]`,
+/// Check a `--gpus` list (`model:count[,model:count]`,
 /// at most [`carve_model::slices::MAX_SIMULATED_GPUS`] GPUs) while the flags
 /// are parsed, so that a bad list is a usage error (exit status 2) before
 /// anything starts; the list stays text for the commands that read it.

@@ -59,7 +59,7 @@ pub enum AmpereMig {
 }
 
 /// The one simulated node that `carve simulate`, `carve explain` and `carve
-/// slices` default to (`--gpus`, explain's `--simulate-gpus`): room for every
+/// slices` default to (`--gpus` of each): room for every
 /// example, MIG on the H100s and whole-GPU, MPS and time-sliced shares on the
 /// A100s.
 pub const DEFAULT_GPUS: &str = "h100-80gb:2,a100-40gb:3";
@@ -77,7 +77,7 @@ pub struct SlicesArgs {
     /// by default the node `carve simulate` and `carve explain` run.
     #[arg(long, default_value = DEFAULT_GPUS, value_parser = crate::parse_gpus_flag)]
     pub gpus: String,
-    /// The flag that gave `gpus`, for errors (`--simulate-gpus` in `explain`).
+    /// The flag that gave `gpus`, for errors.
     #[arg(skip = "--gpus")]
     pub gpus_flag: &'static str,
     /// Read this node's GPUs through NVML instead of simulating `--gpus`: what the

@@ -282,7 +282,7 @@ fn explain_reads_every_example_as_a_user_passes_it() {
     // next to it is not an error.
     for name in example_names() {
         let p = examples_dir().join(&name).join("pod.yaml");
-        let r = carve(&["explain", p.to_str().unwrap(), "--simulate-gpus", "h200:1"]);
+        let r = carve(&["explain", p.to_str().unwrap(), "--gpus", "h200:1"]);
         assert!(r.stderr.is_empty(), "{name}: {}", r.context());
         assert!(
             r.stdout.starts_with("claim ") && r.stdout.lines().next().unwrap().contains(&name),

@@ -73,7 +73,7 @@ fn mps_claim(name: &str, memory: &str) -> String {
 fn simulate_explain_and_slices_default_to_one_node_with_its_sharing() {
     let gpus = [
         help_default("simulate", "--gpus"),
-        help_default("explain", "--simulate-gpus"),
+        help_default("explain", "--gpus"),
         help_default("slices", "--gpus"),
     ];
     assert!(
@@ -96,6 +96,19 @@ fn simulate_explain_and_slices_default_to_one_node_with_its_sharing() {
     let r = carve(&["explain", c.to_str().unwrap()]);
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("-mps"), "{}", r.stdout);
+    // The node is chosen with the same flag as simulate's; explain's former
+    // name for it still works and means the same node.
+    let named = carve(&["explain", c.to_str().unwrap(), "--gpus", "h200:1"]);
+    let old = carve(&["explain", c.to_str().unwrap(), "--simulate-gpus", "h200:1"]);
+    assert_eq!(named.code, 0, "{}{}", named.stdout, named.stderr);
+    assert_eq!((named.code, &named.stdout), (old.code, &old.stdout));
+    let bad = carve(&["explain", c.to_str().unwrap(), "--simulate-gpus", "h999:1"]);
+    assert_eq!(
+        bad.code, 2,
+        "the alias reaches --gpus's check: {}",
+        bad.stderr
+    );
+    assert!(bad.stderr.contains("h999"), "{}", bad.stderr);
     // And slices publishes the same shared devices by default, none with
     // `--sharing none`.
     let s = carve(&["slices", "-o", "table"]);

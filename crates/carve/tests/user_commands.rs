@@ -22,9 +22,9 @@ fn carve(args: &[&str]) -> Run {
     }
 }
 
-/// `carve explain CLAIM --simulate-gpus GPUS`.
+/// `carve explain CLAIM --gpus GPUS`.
 fn explain(claim: &str, gpus: &str) -> Run {
-    carve(&["explain", claim, "--simulate-gpus", gpus])
+    carve(&["explain", claim, "--gpus", gpus])
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -84,14 +84,7 @@ fn rejections_are_one_line_per_reason_and_devices_only_on_request() {
     );
     let path = p.to_str().unwrap();
     // No shared devices: the MIG and whole-GPU rejections only.
-    let grouped = carve(&[
-        "explain",
-        path,
-        "--simulate-gpus",
-        "h200:8",
-        "--sharing",
-        "none",
-    ]);
+    let grouped = carve(&["explain", path, "--gpus", "h200:8", "--sharing", "none"]);
     assert_eq!(grouped.code, 1, "{}", grouped.stderr);
     let reason_lines: Vec<&str> = grouped
         .stdout
@@ -118,7 +111,7 @@ fn rejections_are_one_line_per_reason_and_devices_only_on_request() {
     let listed = carve(&[
         "explain",
         path,
-        "--simulate-gpus",
+        "--gpus",
         "h200:8",
         "--sharing",
         "none",
@@ -138,7 +131,7 @@ fn json_is_printed_when_the_claim_fits_too() {
     let r = carve(&[
         "explain",
         &example("mig-1g"),
-        "--simulate-gpus",
+        "--gpus",
         "h100-80gb:1",
         "--json",
     ]);
@@ -156,15 +149,14 @@ fn json_is_printed_when_the_claim_fits_too() {
 
 #[test]
 fn a_bad_simulated_node_names_the_flag_the_user_gave() {
-    let r = carve(&["explain", &example("mig-1g"), "--simulate-gpus", "h999:1"]);
+    let r = carve(&["explain", &example("mig-1g"), "--gpus", "h999:1"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr
-            .contains("invalid value 'h999:1' for '--simulate-gpus <SIMULATE_GPUS>'"),
+            .contains("invalid value 'h999:1' for '--gpus <GPUS>'"),
         "{}",
         r.stderr
     );
-    assert!(!r.stderr.contains("--gpus "), "{}", r.stderr);
 }
 
 #[test]
@@ -554,7 +546,7 @@ fn every_kube_version_flag_refuses_a_version_carve_does_not_model() {
         ]);
         assert_eq!(r.code, 0, "{v}: {}", r.stderr);
     }
-    let r = carve(&["explain", &claim, "--simulate-gpus", "h100:1"]);
+    let r = carve(&["explain", &claim, "--gpus", "h100:1"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     // explain's simulated node takes a modelled version too.
     let r = carve(&["explain", &claim, "--kube-version", "1.34", "--json"]);
@@ -580,8 +572,8 @@ fn every_gpus_flag_refuses_more_gpus_than_a_node_may_have() {
             "65",
         ),
         (
-            vec!["explain", claim.as_str(), "--simulate-gpus", "h100:65"],
-            "--simulate-gpus <SIMULATE_GPUS>",
+            vec!["explain", claim.as_str(), "--gpus", "h100:65"],
+            "--gpus <GPUS>",
             "65",
         ),
     ] {
@@ -732,12 +724,7 @@ fn a_negative_capacity_request_is_refused_naming_the_request_and_value() {
         let want = format!(
             "spec.devices.requests[0].capacity.requests.{field}: negative requested quantity \"{value}\": must be 0 or more"
         );
-        let r = carve(&[
-            "explain",
-            file.to_str().unwrap(),
-            "--simulate-gpus",
-            "h100:1",
-        ]);
+        let r = carve(&["explain", file.to_str().unwrap(), "--gpus", "h100:1"]);
         assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
         assert!(r.stdout.is_empty(), "{}", r.stdout);
         let line = error_line(&r);
@@ -877,7 +864,7 @@ fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
     let empty = carve(&[
         "explain",
         &claim,
-        "--simulate-gpus",
+        "--gpus",
         "h100-80gb:1",
         "--scheduler-version",
         "1.35",
@@ -897,7 +884,7 @@ fn a_1_34_scheduler_is_said_to_ignore_distinct_attribute() {
     let r = carve(&[
         "explain",
         claim,
-        "--simulate-gpus",
+        "--gpus",
         "h100-80gb:2",
         "--scheduler-version",
         "1.34",
@@ -913,7 +900,7 @@ fn a_1_34_scheduler_is_said_to_ignore_distinct_attribute() {
     let r = carve(&[
         "explain",
         claim,
-        "--simulate-gpus",
+        "--gpus",
         "h100-80gb:2",
         "--scheduler-version",
         "1.35",

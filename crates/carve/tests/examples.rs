@@ -5,39 +5,9 @@
 //! others cannot.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn context(&self) -> String {
-        format!(
-            "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-            self.code, self.stdout, self.stderr
-        )
-    }
-}
-
-/// Runs the carve binary with its own `TMPDIR`.
-fn carve(args: &[&str]) -> Run {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args(args)
-        .env("TMPDIR", tmp.path())
-        .env_remove("CARVE_NVML_SIM_CONFIG")
-        .env_remove("CARVE_NVML_SIM_FAULTS")
-        .output()
-        .expect("running the carve binary");
-    Run {
-        code: out.status.code(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
+mod common;
+use common::carve_isolated;
 
 fn examples_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples")
@@ -134,9 +104,9 @@ fn every_example_that_fits_a_node_shape_is_prepared_and_the_rest_say_why() {
     for (args, unfit) in &shapes {
         let mut argv = vec!["simulate"];
         argv.extend(args.iter().copied());
-        let r = carve(&argv);
+        let r = carve_isolated(&argv);
         let ctx = || format!("carve {}\n{}", argv.join(" "), r.context());
-        assert_eq!(r.code, Some(0), "{}", ctx());
+        assert_eq!(r.code, 0, "{}", ctx());
         assert!(!r.stdout.contains("\nnot prepared: "), "{}", ctx());
         assert!(r.stdout.contains("no GPU instance left"), "{}", ctx());
         for name in &names {
@@ -175,14 +145,14 @@ fn a_claim_naming_another_models_profile_is_shown_the_nodes_profiles() {
     assert!(claim.contains("\"1g.10gb\""), "{claim}");
     let file = dir.path().join("h100-profile.yaml");
     std::fs::write(&file, claim).unwrap();
-    let r = carve(&[
+    let r = carve_isolated(&[
         "simulate",
         "--gpus",
         "h200:1",
         "--claims",
         file.to_str().unwrap(),
     ]);
-    assert_eq!(r.code, Some(1), "{}", r.context());
+    assert_eq!(r.code, 1, "{}", r.context());
     assert!(
         r.stdout.contains("- default/mig-1g (") && r.stdout.contains(": does not fit on "),
         "{}",
@@ -204,7 +174,7 @@ fn a_claim_naming_another_models_profile_is_shown_the_nodes_profiles() {
 
 #[test]
 fn a_users_shared_claim_with_that_sharing_off_names_the_flag() {
-    let r = carve(&[
+    let r = carve_isolated(&[
         "simulate",
         "--gpus",
         "h100:1",
@@ -213,7 +183,7 @@ fn a_users_shared_claim_with_that_sharing_off_names_the_flag() {
         "--claims",
         examples_dir().join("mps-share/pod.yaml").to_str().unwrap(),
     ]);
-    assert_eq!(r.code, Some(1), "{}", r.context());
+    assert_eq!(r.code, 1, "{}", r.context());
     assert!(
         r.stdout.contains(
             "  mps.gpu.carve.dev: this node publishes no MPS shares of whole GPUs: this run has --sharing none; add mps to --sharing to publish them"
@@ -282,7 +252,7 @@ fn explain_reads_every_example_as_a_user_passes_it() {
     // next to it is not an error.
     for name in example_names() {
         let p = examples_dir().join(&name).join("pod.yaml");
-        let r = carve(&["explain", p.to_str().unwrap(), "--gpus", "h200:1"]);
+        let r = carve_isolated(&["explain", p.to_str().unwrap(), "--gpus", "h200:1"]);
         assert!(r.stderr.is_empty(), "{name}: {}", r.context());
         assert!(
             r.stdout.starts_with("claim ") && r.stdout.lines().next().unwrap().contains(&name),

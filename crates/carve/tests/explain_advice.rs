@@ -7,29 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn carve(args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args(args)
-        .output()
-        .unwrap();
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
+mod common;
+use common::{carve, write};
 
 /// The `[default: ...]` of flag `flag` in `carve CMD --help`.
 fn help_default(cmd: &str, flag: &str) -> Option<String> {

@@ -1,36 +1,15 @@
 //! The offline commands (`explain`, `defrag`, `advise`, `simulate`'s flags) run as a
 //! user runs them: what they see on stdout and stderr, and the exit status.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn carve(args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_carve"))
-        .args(args)
-        .output()
-        .unwrap();
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
+mod common;
+use common::{Run, carve, write};
 
 /// `carve explain CLAIM --gpus GPUS`.
 fn explain(claim: &str, gpus: &str) -> Run {
     carve(&["explain", claim, "--gpus", gpus])
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
 }
 
 fn example(name: &str) -> String {

@@ -602,42 +602,55 @@ fn check_common(m: &Manifests) {
         );
         assert_eq!(pb.spec.validation_actions, ["Deny"]);
     }
-    // The slice policy: only the plugin's ServiceAccount, only its node and
-    // pool, only this driver, never cluster-wide slices.
-    let vap = policy(m, "-resourceslices");
-    let vspec = vap.spec.as_ref().unwrap();
-    assert_eq!(vspec.failure_policy.as_deref(), Some("Fail"));
-    let rule = one(
-        vspec
-            .match_constraints
-            .as_ref()
-            .unwrap()
-            .resource_rules
-            .as_deref()
-            .unwrap(),
-        "resource rule",
-    );
-    assert_eq!(
-        rule.resources.as_deref(),
-        Some(&["resourceslices".to_string()][..])
-    );
-    assert_eq!(
-        rule.api_groups.as_deref(),
-        Some(&["resource.k8s.io".to_string()][..])
-    );
-    let mut ops = rule.operations.clone().unwrap();
-    ops.sort();
-    assert_eq!(ops, ["CREATE", "DELETE", "UPDATE"]);
-    let cond = one(
-        vspec.match_conditions.as_deref().unwrap(),
-        "match condition",
-    );
-    assert!(
-        cond.expression
-            .contains(&format!("\"system:serviceaccount:{NAMESPACE}:{sa_name}\"")),
-        "match condition does not name the plugin ServiceAccount: {}",
-        cond.expression
-    );
+    // Each policy: fails closed, matches only the plugin's ServiceAccount,
+    // on the one resource rule it guards.
+    for (suffix, resource, ops) in [
+        (
+            "-resourceslices",
+            "resourceslices",
+            &["CREATE", "DELETE", "UPDATE"][..],
+        ),
+        (
+            "-resourceclaim-status",
+            "resourceclaims/status",
+            &["UPDATE"][..],
+        ),
+    ] {
+        let spec = policy(m, suffix).spec.as_ref().unwrap();
+        assert_eq!(spec.failure_policy.as_deref(), Some("Fail"), "{suffix}");
+        let rule = one(
+            spec.match_constraints
+                .as_ref()
+                .unwrap()
+                .resource_rules
+                .as_deref()
+                .unwrap(),
+            "resource rule",
+        );
+        assert_eq!(
+            rule.resources.as_deref(),
+            Some(&[resource.to_string()][..]),
+            "{suffix}"
+        );
+        assert_eq!(
+            rule.api_groups.as_deref(),
+            Some(&["resource.k8s.io".to_string()][..]),
+            "{suffix}"
+        );
+        let mut got = rule.operations.clone().unwrap();
+        got.sort();
+        assert_eq!(got, ops, "{suffix}");
+        let cond = one(spec.match_conditions.as_deref().unwrap(), "match condition");
+        assert!(
+            cond.expression
+                .contains(&format!("\"system:serviceaccount:{NAMESPACE}:{sa_name}\"")),
+            "{suffix}: match condition does not name the plugin ServiceAccount: {}",
+            cond.expression
+        );
+    }
+    // The slice policy: only its node and pool, only this driver, never
+    // cluster-wide slices.
+    let vspec = policy(m, "-resourceslices").spec.as_ref().unwrap();
     let all_cel: String = vspec
         .variables
         .iter()
@@ -667,29 +680,6 @@ fn check_common(m: &Manifests) {
             "policy CEL lacks {want}:\n{all_cel}"
         );
     }
-    // The claim-status policy: status subresource updates of the plugin.
-    let status = policy(m, "-resourceclaim-status");
-    let rule = one(
-        status
-            .spec
-            .as_ref()
-            .unwrap()
-            .match_constraints
-            .as_ref()
-            .unwrap()
-            .resource_rules
-            .as_deref()
-            .unwrap(),
-        "resource rule",
-    );
-    assert_eq!(
-        rule.resources.as_deref(),
-        Some(&["resourceclaims/status".to_string()][..])
-    );
-    assert_eq!(
-        rule.operations.as_deref(),
-        Some(&["UPDATE".to_string()][..])
-    );
 
     // DeviceClasses.
     let names: Vec<&str> = m

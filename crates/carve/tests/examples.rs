@@ -159,7 +159,7 @@ fn a_claim_naming_another_models_profile_is_shown_the_nodes_profiles() {
         r.context()
     );
     assert!(
-        r.stdout.contains("  MIG profiles on this node (profile names differ between GPU models; select on memory or computeSlices to fit any model):\n    NVIDIA H200: 1g.18gb, 1g.18gb+me, 1g.35gb, 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb\n"),
+        r.stdout.contains("  profile names differ between GPU models (this node's are below); select on memory or computeSlices to fit any model\n  sim-node offers:\n    whole GPUs (class gpu.carve.dev): NVIDIA H200\n    MIG partitions (class mig.gpu.carve.dev): 1g.18gb, 1g.18gb+me, 1g.35gb, 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb\n"),
         "{}",
         r.context()
     );

@@ -340,13 +340,16 @@ const MIG_CLASSES: [&str; 2] = ["mig.gpu.carve.dev", "mig-mps.gpu.carve.dev"];
 
 /// What to tell about claim `c` that did not fit on the node of `slices`,
 /// `missing` being the classes it names that have no published device and
-/// `off` the classes the run's `--sharing` leaves without devices.
+/// `off` the classes the run's `--sharing` leaves without devices;
+/// `offers_shown`: the report lists what the node offers next (its MIG
+/// profiles among them), so the profiles are not listed here again.
 pub(super) fn unfit(
     node: &Node,
     slices: &[ResourceSlice],
     c: &SourcedClaim,
     missing: &[String],
     off: &BTreeMap<String, String>,
+    offers_shown: bool,
 ) -> Unfit {
     let profiles = node_profiles(slices);
     let mut reasons: Vec<String> = Vec::new();
@@ -374,8 +377,12 @@ pub(super) fn unfit(
         .iter()
         .any(|k| MIG_CLASSES.contains(&k.as_str()) && !missing.contains(k));
     if names_mig && !profiles.is_empty() {
-        lines.push("MIG profiles on this node (profile names differ between GPU models; select on memory or computeSlices to fit any model):".into());
-        lines.extend(profiles.iter().map(|p| format!("  {p}")));
+        if offers_shown {
+            lines.push("profile names differ between GPU models (this node's are below); select on memory or computeSlices to fit any model".into());
+        } else {
+            lines.push("MIG profiles on this node (profile names differ between GPU models; select on memory or computeSlices to fit any model):".into());
+            lines.extend(profiles.iter().map(|p| format!("  {p}")));
+        }
     }
     let expected = if !c.builtin {
         None

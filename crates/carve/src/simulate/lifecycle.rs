@@ -583,7 +583,7 @@ pub(super) async fn apply_all(
                         missing.join(", ")
                     ));
                 }
-                let unfit = unfit(s.node, &s.slices, c, &missing, s.off);
+                let unfit = unfit(s.node, &s.slices, c, &missing, s.off, !offers.is_empty());
                 for l in &unfit.lines {
                     say(&format!("  {l}"));
                 }

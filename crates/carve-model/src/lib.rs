@@ -13,6 +13,7 @@ pub mod models;
 pub mod names;
 pub mod order;
 pub mod sharing;
+pub mod scheduler;
 pub mod slices;
 pub mod spec;
 

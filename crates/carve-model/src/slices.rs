@@ -37,6 +37,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use crate::geometry::{Conflict, Instance, Occupancy, Totals, max_layout_totals};
 use crate::names::{DeviceName, NameError, ProfileToken};
 use crate::order::{DeviceOrder, nvidia_device_name, placement_order};
+use crate::scheduler::{ShareLayout, SharedGpu};
 use crate::sharing::{MpsCapabilities, MpsDeviceSpec, SharingError, time_slice_device};
 use crate::spec::{GpuSpec, PhysicalGpu, SpecError};
 
@@ -221,6 +222,10 @@ pub struct SliceOptions {
     pub order: DeviceOrder,
     /// Sharing devices to publish.
     pub sharing: SharingOptions,
+    /// Whether sharing devices are published beside exclusive ones on every
+    /// GPU, or only on some GPUs and apart ([`ShareLayout`]): set it from the
+    /// scheduler's version ([`ShareLayout::for_scheduler`]).
+    pub shares: ShareLayout,
 }
 
 impl SliceOptions {
@@ -236,6 +241,7 @@ impl SliceOptions {
             layout,
             order: DeviceOrder::Carve,
             sharing: SharingOptions::default(),
+            shares: ShareLayout::Mixed,
         }
     }
 }
@@ -258,6 +264,26 @@ pub enum SliceError {
         value: String,
         /// The rule it breaks.
         rule: String,
+    },
+    /// A GPU named to host shares cannot host them as asked.
+    #[error("GPU {gpu} ({product}) cannot host {kind} shares: {why}")]
+    SharedGpu {
+        /// GPU index.
+        gpu: u32,
+        /// Product name.
+        product: String,
+        /// The kind asked for (`mps`, `timeslice`, `mig-mps:2g.20gb`).
+        kind: String,
+        /// Why not, and what would.
+        why: String,
+    },
+    /// A GPU named to host shares is not on the node.
+    #[error("GPU {gpu} is named to host shares but the node has no GPU {gpu} (its GPUs: {known})")]
+    SharedGpuMissing {
+        /// The index named.
+        gpu: u32,
+        /// The node's GPU indices, comma-separated.
+        known: String,
     },
     /// Two GPUs have the same index.
     #[error("GPU index {index} appears twice")]
@@ -774,6 +800,90 @@ fn with_sharing(
     Ok(out)
 }
 
+/// `kinds` (from [`with_sharing`]) as `shares` lets GPU `g` publish them:
+/// all of them ([`ShareLayout::Mixed`]); or, apart, only the exclusive ones
+/// on a GPU not listed, and only the listed kind on a listed GPU, on units
+/// that do not overlap (MIG-MPS: placements of the profile by start, each
+/// kept while the instances kept so far and it can coexist on the GPU).
+fn apart(
+    g: &NodeGpu,
+    kinds: Vec<Kind>,
+    shares: &ShareLayout,
+    sharing: &SharingOptions,
+) -> Result<Vec<Kind>, SliceError> {
+    let ShareLayout::Separate(listed) = shares else {
+        return Ok(kinds);
+    };
+    let gpu = &g.gpu;
+    let Some(kind) = listed.get(&gpu.index) else {
+        return Ok(kinds.into_iter().filter(|k| k.sharing_rank() == 0).collect());
+    };
+    let refuse = |why: String| SliceError::SharedGpu {
+        gpu: gpu.index,
+        product: gpu.spec.product_name.clone(),
+        kind: kind.to_string(),
+        why,
+    };
+    let (on, flag) = match kind {
+        SharedGpu::Mps => (sharing.mps, "mps"),
+        SharedGpu::Timeslice => (sharing.timeslice, "timeslice"),
+        SharedGpu::MigMps { .. } => (sharing.mig_mps, "mig-mps"),
+    };
+    if !on {
+        return Err(refuse(format!(
+            "the node's sharing does not include {flag} (add it to --sharing, or the chart's sharing settings)"
+        )));
+    }
+    let kept: Vec<Kind> = match kind {
+        SharedGpu::Mps => kinds.into_iter().filter(|k| *k == Kind::Mps).collect(),
+        SharedGpu::Timeslice => kinds
+            .into_iter()
+            .filter(|k| *k == Kind::TimeSlice)
+            .collect(),
+        SharedGpu::MigMps { profile } => {
+            let spec = &gpu.spec;
+            let Some(pi) = spec.profiles.iter().position(|p| &p.name == profile) else {
+                let known = spec
+                    .profiles
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>();
+                return Err(refuse(if known.is_empty() {
+                    "it has no MIG profiles".to_string()
+                } else {
+                    format!("it has no profile {profile:?}; its profiles: {}", known.join(", "))
+                }));
+            };
+            let mut starts: Vec<u8> = kinds
+                .iter()
+                .filter_map(|k| match *k {
+                    Kind::MigMps { profile, start } if profile == pi => Some(start),
+                    _ => None,
+                })
+                .collect();
+            starts.sort_unstable();
+            let mut occ = Occupancy::new(spec);
+            starts.retain(|&start| occ.place(Instance { profile: pi, start }).is_ok());
+            kinds
+                .into_iter()
+                .filter(|k| matches!(*k, Kind::MigMps { profile, start } if profile == pi && starts.contains(&start)))
+                .collect()
+        }
+    };
+    if kept.is_empty() {
+        let why = match kind {
+            SharedGpu::Mps | SharedGpu::Timeslice if g.mig_locked && gpu.spec.mig_capable => {
+                "its MIG mode is on and needs a GPU reset to change, so it publishes no whole GPU (name it mig-mps:PROFILE instead)".to_string()
+            }
+            SharedGpu::Mps => "it publishes no whole-GPU MPS device (static MIG instances, or too small for a share)".to_string(),
+            SharedGpu::Timeslice => "it publishes no whole GPU (static MIG instances)".to_string(),
+            SharedGpu::MigMps { .. } => "it publishes no MIG-MPS device of that profile (MIG off and locked, static instances of other profiles, or instances too small for a share)".to_string(),
+        };
+        return Err(refuse(why));
+    }
+    Ok(kept)
+}
+
 #[derive(Clone, Debug)]
 struct Planned {
     gpu: usize,
@@ -940,12 +1050,25 @@ fn plan(
     gpus: &[NodeGpu],
     order: DeviceOrder,
     sharing: &SharingOptions,
+    shares: &ShareLayout,
 ) -> Result<Vec<Planned>, SliceError> {
     let mut seen = std::collections::BTreeSet::new();
     for g in gpus {
         if !seen.insert(g.gpu.index) {
             return Err(SliceError::DuplicateGpu { index: g.gpu.index });
         }
+    }
+    if let ShareLayout::Separate(listed) = shares
+        && let Some(&gpu) = listed.keys().find(|i| !seen.contains(i))
+    {
+        return Err(SliceError::SharedGpuMissing {
+            gpu,
+            known: seen
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
     }
     // (whole?, memory slices, compute slices, profile name, policy key,
     // sharing rank) where the policy key orders the devices of one profile
@@ -969,7 +1092,8 @@ fn plan(
                 orders.len() - 1
             }
         };
-        units.push((oi, with_sharing(g, gpu_units(g, &orders[oi].1)?, sharing)?));
+        let kinds = with_sharing(g, gpu_units(g, &orders[oi].1)?, sharing)?;
+        units.push((oi, apart(g, kinds, shares, sharing)?));
     }
     // Sized once: regrowing a list of this many large entries costs more than
     // building it.
@@ -1071,7 +1195,7 @@ fn plan(
 /// # Errors
 /// As [`build_slices`] for a GPU's spec or static instances.
 pub fn device_order(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<DeviceName>, SliceError> {
-    Ok(plan(gpus, order, &SharingOptions::default())?
+    Ok(plan(gpus, order, &SharingOptions::default(), &ShareLayout::Mixed)?
         .into_iter()
         .map(|p| p.name)
         .collect())
@@ -1489,8 +1613,10 @@ struct Bucket {
 /// unset), devices in `-devices-<k>` slices (at most 64 each) in
 /// [`device_order`]. 1.34: whole GPUs grouped into `-devices-<k>` slices with
 /// their counter sets, while the 1.34 limits hold (at most 32 counters in all
-/// sets of a slice, so one 8-slice GPU per slice); devices in [`device_order`]
-/// within each slice. Every slice has `nodeName`, `driver`, the pool, and
+/// sets of a slice, so one 8-slice GPU per slice), and a GPU that hosts shares
+/// apart ([`ShareLayout::Separate`]) in a slice of its own; devices in
+/// [`device_order`] within each slice. `opts.shares` decides which GPUs
+/// publish which sharing devices. Every slice has `nodeName`, `driver`, the pool, and
 /// `resourceSliceCount` = all slices. No GPUs: no slices.
 ///
 /// # Errors
@@ -1500,7 +1626,7 @@ pub fn build_slices(
     opts: &SliceOptions,
 ) -> Result<Vec<ResourceSlice>, SliceError> {
     check_options(opts)?;
-    let planned = plan(gpus, opts.order, &opts.sharing)?;
+    let planned = plan(gpus, opts.order, &opts.sharing, &opts.shares)?;
     // The counters of each distinct spec (see [`model_counters`]);
     // `shared_of[gi]` indexes `shared`.
     let mut shared: Vec<(&GpuSpec, Arc<ModelCounters>)> = Vec::new();
@@ -1508,10 +1634,9 @@ pub fn build_slices(
     for g in gpus {
         let spec = &g.gpu.spec;
         if !spec.mig_capable {
-            let whole_shared = opts.sharing.timeslice
-                || planned
-                    .iter()
-                    .any(|p| p.kind == Kind::Mps && std::ptr::eq(&gpus[p.gpu], g));
+            let whole_shared = planned.iter().any(|p| {
+                matches!(p.kind, Kind::Mps | Kind::TimeSlice) && std::ptr::eq(&gpus[p.gpu], g)
+            });
             if !whole_shared {
                 shared_of.push(None);
                 continue;
@@ -1668,9 +1793,19 @@ pub fn build_slices(
             // Greedy: whole GPUs in index order while the 1.34 limits hold.
             let mut groups: Vec<Vec<usize>> = Vec::new();
             let mut acc = (0, 0, 0);
+            // A GPU that hosts shares apart has a slice of its own: 1.34
+            // checks a shared device's capacity against the first device of
+            // its slice, and there every device has the same capacity.
+            let alone = |gi: usize| match &opts.shares {
+                ShareLayout::Separate(listed) => listed.contains_key(&gpus[gi].gpu.index),
+                ShareLayout::Mixed => false,
+            };
+            let mut last_alone = false;
             for &gi in &gpu_order {
                 let (s, n, c) = per_gpu[gi];
-                let fits = acc.0 + s <= limits::SHARED_COUNTERS_PER_SLICE_V134
+                let fits = !alone(gi)
+                    && !last_alone
+                    && acc.0 + s <= limits::SHARED_COUNTERS_PER_SLICE_V134
                     && acc.1 + n <= MAX_DEVICES_PER_SLICE
                     && acc.2 + c <= limits::DEVICE_COUNTERS_PER_SLICE_V134;
                 match groups.last_mut() {
@@ -1683,6 +1818,7 @@ pub fn build_slices(
                         acc = (s, n, c);
                     }
                 }
+                last_alone = alone(gi);
             }
             // Move (not clone) each device into its GPU's group, keeping order.
             let mut group_of = vec![0; gpus.len()];

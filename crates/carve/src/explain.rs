@@ -1,11 +1,13 @@
 //! `carve explain`: run the offline allocator on one claim against a node's
 //! slices and print the allocation, or why it does not fit.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
 use carve_alloc::{Allocator, Inputs, Object};
+use carve_model::scheduler::SchedulerVersion;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 /// The DeviceClasses carve ships (the same file the Helm chart's classes are checked against).
@@ -61,86 +63,20 @@ pub struct ExplainArgs {
     /// reason with device counts per GPU.
     #[arg(long)]
     pub devices: bool,
-    /// The kube-scheduler release the claim will meet (`1.35`, `1.36.1`):
-    /// adds what that release's allocator does differently from carve's
-    /// (upstream bugs fixed in later releases).
-    #[arg(long, value_parser = parse_scheduler_version)]
-    pub scheduler_version: Option<SchedulerVersion>,
-}
-
-/// A kube-scheduler release, `1.<minor>[.<patch>]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SchedulerVersion {
-    /// Minor version.
-    pub minor: u32,
-    /// Patch release, when given.
-    pub patch: Option<u32>,
-}
-
-impl std::fmt::Display for SchedulerVersion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.patch {
-            Some(p) => write!(f, "1.{}.{p}", self.minor),
-            None => write!(f, "1.{}", self.minor),
-        }
-    }
-}
-
-impl SchedulerVersion {
-    /// Whether its allocator subtracts the counters of shared
-    /// (multi-allocatable) devices already allocated: from 1.36.2
-    /// (`k8s.io/dynamic-resource-allocation` `structured`: 1.34.4 through
-    /// 1.36.1 skip every device not in `AllocatedDevices`; 1.36.2 and later
-    /// ask `internal.IsDeviceAllocated`, which counts shared ones too). A
-    /// 1.36 without its patch release is taken to be an early one.
-    fn counts_shared_counters(self) -> bool {
-        self.minor > 36 || (self.minor == 36 && self.patch.is_some_and(|p| p >= 2))
-    }
-
-    /// Whether its allocator enforces `distinctAttribute`: not in 1.34,
-    /// whose `distinctAttributeConstraint` compares the attributes'
-    /// pointers, never their values (fixed in 1.35).
-    fn enforces_distinct_attribute(self) -> bool {
-        self.minor >= 35
-    }
-}
-
-/// `1.35`, `v1.36.1`; a release carve models (1.34 to 1.37).
-fn parse_scheduler_version(s: &str) -> Result<SchedulerVersion, String> {
-    let bad = || {
-        format!(
-            "not a kube-scheduler release like 1.35 or 1.36.1 (carve models {})",
-            carve_model::slices::KubeVersion::modelled_list()
-        )
-    };
-    let t = s.trim().trim_start_matches('v');
-    let parts: Vec<&str> = t.split('.').collect();
-    let num = |i: usize| -> Result<Option<u32>, String> {
-        parts
-            .get(i)
-            .map(|p| p.parse().map_err(|_| bad()))
-            .transpose()
-    };
-    if !(2..=3).contains(&parts.len()) {
-        return Err(bad());
-    }
-    let (major, minor, patch) = (num(0)?, num(1)?, num(2)?);
-    let (Some(major), Some(minor)) = (major, minor) else {
-        return Err(bad());
-    };
-    if !carve_model::slices::KubeVersion::new(major, minor).is_modelled() {
-        return Err(format!(
-            "carve models kube-scheduler {} only",
-            carve_model::slices::KubeVersion::modelled_list()
-        ));
-    }
-    Ok(SchedulerVersion { minor, patch })
+    /// The kube-scheduler the claim will meet, and the GPUs of the
+    /// simulated node that host shares: as `carve slices`. With
+    /// `--scheduler-version` (or, on a simulated node, the oldest scheduler
+    /// the skew policy allows beside `--kube-version`), notes where that
+    /// release's allocator does otherwise than carve's.
+    #[command(flatten)]
+    pub shares: crate::shares::ShareArgs,
 }
 
 /// What the scheduler release `v` does differently from carve's allocator
 /// for this claim on this node: one sentence each.
 fn scheduler_notes(
     v: SchedulerVersion,
+    assumed: bool,
     inputs: &Inputs,
     claim: &ResourceClaim,
     node: &str,
@@ -162,35 +98,83 @@ fn scheduler_notes(
         ));
     }
     if !v.counts_shared_counters() {
-        let shared: std::collections::BTreeSet<(&str, &str)> = inputs
-            .slices
-            .iter()
-            .filter(|s| s.spec.node_name.as_deref() == Some(node))
-            .flat_map(|s| {
-                s.spec.devices.iter().flatten().filter_map(move |d| {
-                    d.allow_multiple_allocations
-                        .unwrap_or(false)
-                        .then_some((s.spec.pool.name.as_str(), d.name.as_str()))
-                })
-            })
-            .collect();
-        let held: std::collections::BTreeSet<&str> = inputs
-            .claims_allocated
-            .iter()
-            .filter_map(|c| c.status.as_ref()?.allocation.as_ref()?.devices.as_ref())
-            .flat_map(|d| d.results.iter().flatten())
-            .filter(|r| r.driver == carve_model::DRIVER_NAME)
-            .filter(|r| shared.contains(&(r.pool.as_str(), r.device.as_str())))
-            .map(|r| r.device.as_str())
-            .collect();
+        let held = held_shares_overlapped(inputs, node);
         if !held.is_empty() {
             notes.push(format!(
-                "kube-scheduler {v} does not count the counters of shared devices already allocated ({} on this node): it can place this claim over them, which carve's prepare then refuses (fixed in 1.36.2)",
-                held.into_iter().collect::<Vec<_>>().join(", ")
+                "kube-scheduler {v} does not count the counters of shared devices already allocated ({} on this node, which other published devices overlap): it can place this claim over them, which carve's prepare then refuses (fixed in 1.36.2; carve publishes shares apart for such a scheduler, see --shared-gpus)",
+                held.join(", ")
             ));
         }
     }
+    if assumed && !notes.is_empty() {
+        notes.push(format!(
+            "kube-scheduler {v} is assumed: the oldest the version-skew policy allows beside this API server; give yours with --scheduler-version"
+        ));
+    }
     notes
+}
+
+/// The shared devices of `node` that claims already hold and that some
+/// other published device overlaps: both consume one counter of one set
+/// beyond its capacity together (the layout a scheduler that leaves shares'
+/// counters out can overcommit). Sorted.
+fn held_shares_overlapped(inputs: &Inputs, node: &str) -> Vec<String> {
+    use carve_model::slices::quantity::parse;
+    let on_node = || {
+        inputs
+            .slices
+            .iter()
+            .filter(move |s| s.spec.node_name.as_deref() == Some(node))
+    };
+    let mut capacity: BTreeMap<(&str, &str), i128> = BTreeMap::new();
+    for set in on_node().flat_map(|s| s.spec.shared_counters.iter().flatten()) {
+        for (k, c) in &set.counters {
+            if let Ok(q) = parse(&c.value) {
+                capacity.insert((set.name.as_str(), k.as_str()), q.milli());
+            }
+        }
+    }
+    // (pool, device) -> its consumption.
+    let mut uses: BTreeMap<(&str, &str), (bool, Vec<((&str, &str), i128)>)> = BTreeMap::new();
+    for s in on_node() {
+        for d in s.spec.devices.iter().flatten() {
+            let mut u = Vec::new();
+            for cc in d.consumes_counters.iter().flatten() {
+                for (k, c) in &cc.counters {
+                    if let Ok(q) = parse(&c.value) {
+                        u.push(((cc.counter_set.as_str(), k.as_str()), q.milli()));
+                    }
+                }
+            }
+            let shared = d.allow_multiple_allocations.unwrap_or(false);
+            uses.insert((s.spec.pool.name.as_str(), d.name.as_str()), (shared, u));
+        }
+    }
+    let overlapped = |key: (&str, &str), mine: &[((&str, &str), i128)]| {
+        uses.iter().any(|(other, (_, theirs))| {
+            *other != key
+                && other.0 == key.0
+                && mine.iter().any(|(counter, a)| {
+                    theirs.iter().any(|(c, b)| {
+                        c == counter && capacity.get(counter).is_some_and(|cap| a + b > *cap)
+                    })
+                })
+        })
+    };
+    let held: std::collections::BTreeSet<String> = inputs
+        .claims_allocated
+        .iter()
+        .filter_map(|c| c.status.as_ref()?.allocation.as_ref()?.devices.as_ref())
+        .flat_map(|d| d.results.iter().flatten())
+        .filter(|r| r.driver == carve_model::DRIVER_NAME)
+        .filter(|r| {
+            let key = (r.pool.as_str(), r.device.as_str());
+            uses.get(&key)
+                .is_some_and(|(shared, mine)| *shared && overlapped(key, mine))
+        })
+        .map(|r| r.device.clone())
+        .collect();
+    held.into_iter().collect()
 }
 
 fn embedded_classes() -> anyhow::Result<Vec<Object>> {
@@ -507,6 +491,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
             let sargs = crate::slices::SlicesArgs {
                 gpus_flag: "--gpus",
                 sharing: Some(args.sharing.clone()),
+                shares: args.shares.clone(),
                 ..crate::slices::SlicesArgs::simulated(
                     &args.simulate_gpus,
                     args.kube_version,
@@ -536,9 +521,18 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
     }
     let alloc = Allocator::new(&inputs)?;
     let name = claim.metadata.name.clone().unwrap_or_default();
-    let notes = args
-        .scheduler_version
-        .map(|v| scheduler_notes(v, &inputs, &claim, &node))
+    // The scheduler the notes are for: the one given, else on a simulated
+    // node the oldest the skew policy allows beside its API server.
+    let scheduler = match (args.shares.scheduler_version, &args.slices) {
+        (Some(v), _) => Some((v, false)),
+        (None, None) => Some((
+            carve_model::scheduler::SchedulerVersion::oldest_for(args.kube_version.minor),
+            true,
+        )),
+        (None, Some(_)) => None,
+    };
+    let notes = scheduler
+        .map(|(v, assumed)| scheduler_notes(v, assumed, &inputs, &claim, &node))
         .unwrap_or_default();
     let noted = |mut text: String| {
         for n in &notes {
@@ -631,7 +625,7 @@ mod tests {
             node: None,
             json: false,
             devices: false,
-            scheduler_version: None,
+            shares: crate::shares::ShareArgs::default(),
         }
     }
 

@@ -8,6 +8,7 @@ mod bench;
 mod explain;
 mod plugin;
 mod render;
+mod shares;
 mod simulate;
 mod slices;
 mod yaml;
@@ -402,6 +403,9 @@ fn run(cmd: Command, log_format: LogFormat) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Slices(a) => {
+            if let Some(note) = slices::share_note(&a)? {
+                eprintln!("note: {note}");
+            }
             print!("{}", slices::run(&a)?);
             Ok(ExitCode::SUCCESS)
         }

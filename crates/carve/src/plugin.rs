@@ -102,6 +102,8 @@ pub struct PluginArgs {
     /// (a shareable whole GPU, no memory or fault isolation).
     #[arg(long, value_delimiter = ',', value_enum)]
     pub sharing: Vec<SharingKind>,
+    #[command(flatten)]
+    pub shares: crate::shares::ShareArgs,
     /// How often NVML health events are polled (seconds).
     #[arg(long, default_value_t = 5)]
     pub health_poll_seconds: u64,
@@ -505,6 +507,8 @@ fn log_start(args: &PluginArgs, log_format: &str) {
         metrics_addr = %args.metrics_addr,
         mig_policy = %args.mig_policy,
         sharing = %sharing.join(","),
+        scheduler_version = args.shares.scheduler_version.map(|v| v.to_string()).as_deref(),
+        shared_gpus = args.shares.shared_gpus.as_ref().map(carve_model::scheduler::shared_gpus_string).as_deref(),
         mps,
         mps_protocol = %value(&args.mps_protocol),
         mps_control = opt(&args.mps_control).as_deref(),
@@ -721,7 +725,11 @@ fn slice_builder(args: &PluginArgs, node: &Node, version: KubeVersion) -> anyhow
     if let Some(m) = &node.mps {
         mark_hard_memory(&mut gpus, m);
     }
-    Ok(Builder { gpus, opts })
+    Ok(Builder {
+        gpus,
+        opts,
+        shares: args.shares.clone(),
+    })
 }
 
 /// The driver's configuration from the flags.
@@ -853,12 +861,22 @@ impl KeepPublished {
 struct Builder {
     gpus: Vec<NodeGpu>,
     opts: SliceOptions,
+    shares: crate::shares::ShareArgs,
 }
 
 impl Builder {
+    /// The slices for an API server of `version`: its layout, and shares
+    /// apart unless the scheduler (stated, or the oldest the skew policy
+    /// allows beside it) counts them.
     fn slices(&self, version: KubeVersion) -> anyhow::Result<Vec<ResourceSlice>> {
         let mut o = self.opts.clone();
         o.layout = version.layout()?;
+        let decision = self.shares.decide(version, "");
+        let sharing_on = o.sharing.mps || o.sharing.mig_mps || o.sharing.timeslice;
+        if let Some(note) = decision.note(sharing_on) {
+            tracing::warn!(apiserver = %version, scheduler = %decision.scheduler, "{note}");
+        }
+        o.shares = decision.layout;
         Ok(slices::build_slices(&self.gpus, &o)?)
     }
 }

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use crate::simulate::SimSharing;
 use anyhow::Context as _;
 use carve_model::order::DeviceOrder;
-use carve_model::slices::{self, KubeLayout, NodeGpu, SliceOptions};
+use carve_model::slices::{self, KubeLayout, KubeVersion, NodeGpu, SliceOptions};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
 /// Output format.
@@ -59,10 +59,12 @@ pub enum AmpereMig {
 }
 
 /// The one simulated node that `carve simulate`, `carve explain` and `carve
-/// slices` default to (`--gpus` of each): room for every
-/// example, MIG on the H100s and whole-GPU, MPS and time-sliced shares on the
-/// A100s.
-pub const DEFAULT_GPUS: &str = "h100-80gb:2,a100-40gb:3";
+/// slices` default to (`--gpus` of each): room for every example, with
+/// every kind of share on GPUs of its own
+/// ([`crate::shares::DEFAULT_NODE_SHARED_GPUS`]): MIG on the first two H100s,
+/// a whole A100, an MPS-shared and a time-sliced A100, and MIG-MPS on the
+/// last H100.
+pub const DEFAULT_GPUS: &str = "h100-80gb:2,a100-40gb:3,h100-80gb:1";
 
 /// The shared devices those commands publish by default (`--sharing`).
 pub const DEFAULT_SHARING: [&str; 3] = ["mps", "mig-mps", "timeslice"];
@@ -116,6 +118,8 @@ pub struct SlicesArgs {
     /// Device order policy.
     #[arg(long, value_enum, default_value = "carve")]
     pub order: Order,
+    #[command(flatten)]
+    pub shares: crate::shares::ShareArgs,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "yaml")]
     pub output: Output,
@@ -142,6 +146,7 @@ impl SlicesArgs {
             mps_protocol: SliceMpsProtocol::V3,
             node: node.into(),
             order: Order::Carve,
+            shares: crate::shares::ShareArgs::default(),
             output: Output::Yaml,
         }
     }
@@ -220,7 +225,30 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
             SliceMpsProtocol::V3 => carve_mps::Protocol::V3,
         }));
     }
+    opts.shares = share_decision(args).layout;
     Ok(slices::build_slices(&node, &opts)?)
+}
+
+/// How these slices publish their shares: for `--scheduler-version`, or the
+/// oldest scheduler the skew policy allows beside `--kube-version`; with
+/// `--shared-gpus`, or [`crate::shares::DEFAULT_NODE_SHARED_GPUS`] on the
+/// default simulated node.
+pub fn share_decision(args: &SlicesArgs) -> crate::shares::ShareDecision {
+    let default_shared = if !args.from_nvml && args.gpus == DEFAULT_GPUS {
+        crate::shares::DEFAULT_NODE_SHARED_GPUS
+    } else {
+        ""
+    };
+    let api = KubeVersion::new(args.kube_version.major, args.kube_version.minor);
+    args.shares.decide(api, default_shared)
+}
+
+/// [`share_decision`]'s note, where it has one and the node shares.
+pub fn share_note(args: &SlicesArgs) -> anyhow::Result<Option<String>> {
+    let on = sharing_kinds(args)?
+        .iter()
+        .any(|k| *k != SimSharing::None);
+    Ok(share_decision(args).note(on))
 }
 
 /// Render the slices.

@@ -230,37 +230,62 @@ pub(super) fn claim_classes(c: &ResourceClaim) -> Vec<String> {
 
 // === claims that do not fit ===
 
-/// The device classes that `sharing` (the run's `--sharing`) leaves without
-/// devices, each with what the node lacks and the flag that turns it on.
-pub(super) fn classes_off_by_sharing(sharing: &[SimSharing]) -> BTreeMap<String, String> {
+/// The device classes that `sharing` (the run's `--sharing`) or `shares`
+/// (shares apart, on the GPUs listed) leave without devices, each with what
+/// the node lacks and the flag that turns it on.
+pub(super) fn classes_off_by_sharing(
+    sharing: &[SimSharing],
+    shares: &crate::shares::ShareDecision,
+) -> BTreeMap<String, String> {
+    use carve_model::scheduler::{ShareLayout, SharedGpu};
     let list = sharing_list(sharing);
+    let hosted = |kind: SimSharing| match &shares.layout {
+        ShareLayout::Mixed => true,
+        ShareLayout::Separate(listed) => listed.values().any(|g| {
+            matches!(
+                (g, kind),
+                (SharedGpu::Mps, SimSharing::Mps)
+                    | (SharedGpu::Timeslice, SimSharing::Timeslice)
+                    | (SharedGpu::MigMps { .. }, SimSharing::MigMps)
+            )
+        }),
+    };
     [
         (
             "mps.gpu.carve.dev",
             SimSharing::Mps,
             "MPS shares of whole GPUs",
+            "INDEX=mps",
         ),
         (
             "mig-mps.gpu.carve.dev",
             SimSharing::MigMps,
             "MPS shares of MIG partitions",
+            "INDEX=mig-mps:PROFILE",
         ),
         (
             "timeslice.gpu.carve.dev",
             SimSharing::Timeslice,
             "time-sliced GPUs",
+            "INDEX=timeslice",
         ),
     ]
     .into_iter()
-    .filter(|(_, kind, _)| !sharing.contains(kind))
-    .map(|(class, kind, what)| {
+    .filter_map(|(class, kind, what, entry)| {
         let flag = kind.flag().unwrap_or("none");
-        (
-            class.to_string(),
+        let why = if !sharing.contains(&kind) {
             format!(
                 "this node publishes no {what}: this run has --sharing {list}; add {flag} to --sharing to publish them (the default is --sharing mps,mig-mps,timeslice)"
-            ),
-        )
+            )
+        } else if !hosted(kind) {
+            format!(
+                "this node publishes no {what}: kube-scheduler {} does not count shared devices' counters (before 1.36.2), so shares go only on the GPUs --shared-gpus names, and none is named for these; add {entry} to --shared-gpus, or give --scheduler-version 1.36.2 or later if that is your scheduler",
+                shares.scheduler
+            )
+        } else {
+            return None;
+        };
+        Some((class.to_string(), why))
     })
     .collect()
 }

@@ -135,8 +135,8 @@ pub struct SimulateArgs {
     /// Every GPU starts with MIG mode off: on Hopper and newer the plugin turns it
     /// on when a claim needs it; an Ampere GPU (where that needs a reset) is
     /// published as a whole GPU only. The default has room for every example: the
-    /// MIG ones and the MIG-MPS share on the H100s, the whole GPU, the MPS shares
-    /// and the time-sliced GPU on one A100 each.
+    /// MIG ones on the first two H100s, the whole GPU, the MPS shares and the
+    /// time-sliced GPU on one A100 each, the MIG-MPS shares on the last H100.
     #[arg(long, default_value = crate::slices::DEFAULT_GPUS, value_parser = crate::parse_gpus_flag)]
     pub gpus: String,
     /// Shared devices the plugin publishes besides MIG partitions and whole GPUs
@@ -150,6 +150,8 @@ pub struct SimulateArgs {
         default_values = crate::slices::DEFAULT_SHARING
     )]
     pub sharing: Vec<SimSharing>,
+    #[command(flatten)]
+    pub shares: crate::shares::ShareArgs,
     /// MPS control protocol the plugin uses (its `--mps-protocol`): `v3` gives
     /// each share a namespace with its limits, which the pod reaches through
     /// the namespace's own pipe directory; `v2` leaves the per-share limits to
@@ -294,7 +296,8 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let mut set = load_claims(args.claims.as_deref())?;
-    set.off = classes_off_by_sharing(&args.sharing);
+    let shares = share_decision(args);
+    set.off = classes_off_by_sharing(&args.sharing, &shares);
     if let Some(svg) = &args.svg {
         check_output_dir(svg)?;
     }
@@ -321,6 +324,28 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<ExitCode> {
         say(&format!("kept {}", path.display()));
     }
     result
+}
+
+/// How the simulated node publishes its shares (as `carve slices` decides
+/// it: [`crate::slices::share_decision`]), with the flags given to the
+/// plugin so that it publishes the same.
+pub(super) fn share_decision(args: &SimulateArgs) -> crate::shares::ShareDecision {
+    let sargs = crate::slices::SlicesArgs {
+        shares: args.shares.clone(),
+        ..crate::slices::SlicesArgs::simulated(&args.gpus, args.kube_version, "sim-node")
+    };
+    crate::slices::share_decision(&sargs)
+}
+
+/// The share flags the plugin of the simulated node gets: those given, and
+/// on the default node its shared GPUs.
+pub(super) fn plugin_share_flags(args: &SimulateArgs) -> Vec<String> {
+    let mut shares = args.shares.clone();
+    if shares.shared_gpus.is_none() && args.gpus == crate::slices::DEFAULT_GPUS {
+        shares.shared_gpus =
+            carve_model::scheduler::parse_shared_gpus(crate::shares::DEFAULT_NODE_SHARED_GPUS).ok();
+    }
+    shares.to_flags()
 }
 
 /// How a run ended: every claim the user asked for prepared (0), or some

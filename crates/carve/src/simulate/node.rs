@@ -190,6 +190,7 @@ impl Node {
         if !kinds.is_empty() {
             arg("--sharing", kinds.join(",").as_ref());
         }
+        let share_flags = super::plugin_share_flags(args);
         if args
             .sharing
             .iter()
@@ -207,6 +208,7 @@ impl Node {
         }
         let mut out: Vec<std::ffi::OsString> = vec!["kubelet-plugin".into()];
         out.extend(v);
+        out.extend(share_flags.into_iter().map(Into::into));
         out
     }
 

@@ -72,10 +72,14 @@ pub(super) fn published_text(node: &Node, slices: &[ResourceSlice]) -> String {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        let _ = write!(out, "\n  {name} ({about}): {}", list(&devices));
-        if !mig_mps.is_empty() {
-            let _ = write!(out, "; MIG-MPS {}", list(&mig_mps));
-        }
+        let parts: Vec<String> = [
+            (!devices.is_empty()).then(|| list(&devices)),
+            (!mig_mps.is_empty()).then(|| format!("MIG-MPS {}", list(&mig_mps))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let _ = write!(out, "\n  {name} ({about}): {}", parts.join("; "));
     }
     out
 }

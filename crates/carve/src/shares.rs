@@ -1,0 +1,166 @@
+//! `--scheduler-version` and `--shared-gpus`: which kube-scheduler the
+//! node's slices are for, and so whether sharing devices are published
+//! beside exclusive ones or apart on the GPUs named (see
+//! [`carve_model::scheduler`]). One set of flags for the plugin, `carve
+//! slices`, `carve explain` and `carve simulate`.
+
+use std::collections::BTreeMap;
+
+use carve_model::scheduler::{
+    SchedulerVersion, ShareLayout, SharedGpu, parse_shared_gpus, shared_gpus_string,
+};
+use carve_model::slices::KubeVersion;
+
+/// The GPUs the default simulated node ([`crate::slices::DEFAULT_GPUS`])
+/// shares where its scheduler may not count shares: the fourth and fifth
+/// (A100s, MIG off) by MPS and by time-slicing, the sixth (an H100) by
+/// MPS on its `2g.20gb` instances; the others stay exclusive.
+pub const DEFAULT_NODE_SHARED_GPUS: &str = "3=mps,4=timeslice,5=mig-mps:2g.20gb";
+
+/// The flags.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct ShareArgs {
+    /// The kube-scheduler release the node's slices are for (`1.35`,
+    /// `1.36.2`; carve models 1.34 to 1.37). Before 1.36.2 its allocator does
+    /// not count the counters of shared devices already allocated, so carve
+    /// then publishes shares only on the GPUs of `--shared-gpus`. Default:
+    /// the oldest scheduler the version-skew policy allows beside the API
+    /// server (one minor release older).
+    #[arg(long, value_parser = parse_scheduler_version)]
+    pub scheduler_version: Option<SchedulerVersion>,
+    /// Where the scheduler may not count shares: the GPUs that host them,
+    /// `INDEX=mps|timeslice|mig-mps:PROFILE` separated by commas (e.g.
+    /// `3=mps,5=mig-mps:2g.20gb`). Each hosts only that kind of share, on
+    /// units that do not overlap, and no exclusive device; every other GPU
+    /// publishes only exclusive devices. Default: none (no share is
+    /// published there), but for the default simulated node.
+    #[arg(long, value_name = "LIST", value_parser = parse_shared_gpus_flag)]
+    pub shared_gpus: Option<BTreeMap<u32, SharedGpu>>,
+}
+
+/// How the node publishes its shares for an API server of `api`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShareDecision {
+    /// The scheduler the slices are for.
+    pub scheduler: SchedulerVersion,
+    /// Whether the admin stated it (else it is assumed from `api`).
+    pub stated: bool,
+    /// The layout.
+    pub layout: ShareLayout,
+}
+
+impl ShareDecision {
+    /// One line saying what this means for the node's shares, for logs and
+    /// the commands' output; `None` where shares are published everywhere.
+    #[must_use]
+    pub fn note(&self, sharing_on: bool) -> Option<String> {
+        let ShareLayout::Separate(listed) = &self.layout else {
+            return None;
+        };
+        if !sharing_on {
+            return None;
+        }
+        let whose = if self.stated {
+            format!("kube-scheduler {} (--scheduler-version)", self.scheduler)
+        } else {
+            format!(
+                "kube-scheduler may be {} (the oldest the version-skew policy allows beside this API server; state yours with --scheduler-version)",
+                self.scheduler
+            )
+        };
+        Some(if listed.is_empty() {
+            format!(
+                "{whose} does not count the counters of shared devices already allocated (fixed in 1.36.2), so no share is published: name the GPUs that host shares with --shared-gpus"
+            )
+        } else {
+            format!(
+                "{whose} does not count the counters of shared devices already allocated (fixed in 1.36.2), so shares are published only on GPUs {} (--shared-gpus), apart from exclusive devices",
+                shared_gpus_string(listed)
+            )
+        })
+    }
+}
+
+impl ShareArgs {
+    /// The decision for an API server of `api`, with `default_shared` where
+    /// `--shared-gpus` is not given.
+    #[must_use]
+    pub fn decide(&self, api: KubeVersion, default_shared: &str) -> ShareDecision {
+        let (scheduler, stated) = match self.scheduler_version {
+            Some(v) if v.allowed_with(api.minor) || api.major != 1 => (v, true),
+            Some(v) => {
+                tracing::warn!(scheduler = %v, apiserver = %api, "the stated kube-scheduler version is not one the version-skew policy allows beside this API server (at most one minor older, never newer): assuming the oldest it allows");
+                (SchedulerVersion::oldest_for(api.minor), false)
+            }
+            None => (SchedulerVersion::oldest_for(api.minor), false),
+        };
+        let shared = match &self.shared_gpus {
+            Some(m) => m.clone(),
+            None => parse_shared_gpus(default_shared).unwrap_or_default(),
+        };
+        ShareDecision {
+            scheduler,
+            stated,
+            layout: ShareLayout::for_scheduler(scheduler, &shared),
+        }
+    }
+
+    /// The flags again, for a child `carve` process.
+    #[must_use]
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(v) = self.scheduler_version {
+            out.push(format!("--scheduler-version={v}"));
+        }
+        if let Some(m) = &self.shared_gpus {
+            out.push(format!("--shared-gpus={}", shared_gpus_string(m)));
+        }
+        out
+    }
+}
+
+/// `1.35`, `v1.36.1`: a release carve models (1.34 to 1.37).
+pub fn parse_scheduler_version(s: &str) -> Result<SchedulerVersion, String> {
+    let v = SchedulerVersion::parse(s).map_err(|e| {
+        format!(
+            "{e} (carve models {})",
+            carve_model::slices::KubeVersion::modelled_list()
+        )
+    })?;
+    if !KubeVersion::new(1, v.minor).is_modelled() {
+        return Err(format!(
+            "carve models kube-scheduler {} only",
+            KubeVersion::modelled_list()
+        ));
+    }
+    Ok(v)
+}
+
+fn parse_shared_gpus_flag(s: &str) -> Result<BTreeMap<u32, SharedGpu>, String> {
+    parse_shared_gpus(s).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_stated_version_the_oldest_allowed_scheduler_decides() {
+        let none = ShareArgs::default();
+        let d = none.decide(KubeVersion::new(1, 37), "");
+        assert_eq!(d.scheduler, SchedulerVersion::new(36, Some(0)));
+        assert_eq!(d.layout, ShareLayout::Separate(BTreeMap::new()));
+        assert!(d.note(true).unwrap().contains("no share is published"));
+        assert_eq!(d.note(false), None);
+        let stated = ShareArgs {
+            scheduler_version: Some(SchedulerVersion::new(36, Some(2))),
+            ..ShareArgs::default()
+        };
+        assert_eq!(stated.decide(KubeVersion::new(1, 37), "").layout, ShareLayout::Mixed);
+        // Newer than the API server: not allowed, so not believed.
+        let d = stated.decide(KubeVersion::new(1, 35), "");
+        assert!(!d.stated && matches!(d.layout, ShareLayout::Separate(_)));
+        let d = ShareArgs::default().decide(KubeVersion::new(1, 35), DEFAULT_NODE_SHARED_GPUS);
+        assert!(d.note(true).unwrap().contains("3=mps,4=timeslice,5=mig-mps:2g.20gb"));
+    }
+}

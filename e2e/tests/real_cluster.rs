@@ -29,9 +29,13 @@ mod grants;
 
 const NS: &str = "carve-e2e";
 const PLUGIN_NS: &str = "carve-system";
-/// The GPUs of the simulated node: what `deploy/kind/values-kind.yaml` has.
-const SIM_GPUS: &str = r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb"}]"#;
-const SIM_GPU_COUNT: u32 = 3;
+/// The GPUs of the simulated node: two H100s and two A100s (MIG off).
+const SIM_GPUS: &str = r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb", "count": 2}]"#;
+const SIM_GPU_COUNT: u32 = 4;
+/// Where shares are published apart (a scheduler that may be older than
+/// 1.36.2): GPU 0 stays exclusive (the MIG examples, the whole GPU), GPU 1
+/// hosts MIG-MPS on its `2g.20gb` instances, GPU 2 MPS, GPU 3 time-slicing.
+const SHARED_GPUS: &str = "1=mig-mps:2g.20gb,2=mps,3=timeslice";
 /// The MPS control daemon's double in the fake driver root, and as the
 /// plugin's container sees it.
 const MPS_CONTROL: &str = "usr/bin/carve-fake-mps-control";
@@ -161,6 +165,12 @@ fn values(c: &Cluster, host: &GpuHost) -> R<PathBuf> {
         },
         "nvml": {"simulator": {"enabled": true, "config": host.sim_config}},
         "timeslice": {"enabled": true},
+        // The chart's default (no scheduler.version: the oldest scheduler
+        // the skew policy allows, so shares apart) on every release but
+        // 1.36, where the suite states the cluster's own scheduler, 1.36.2
+        // or later, so that shares beside exclusive devices run too.
+        "scheduler": {"version": stated_scheduler(c.release(Component::Scheduler))},
+        "sharedGpus": SHARED_GPUS,
         "mps": {
             "enabled": true,
             "controlBinary": format!("/driver-root/{MPS_CONTROL}"),
@@ -172,6 +182,16 @@ fn values(c: &Cluster, host: &GpuHost) -> R<PathBuf> {
     let path = c.layout.root.join("values.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&v)?)?;
     Ok(path)
+}
+
+/// The `scheduler.version` the suite gives the chart for a cluster whose
+/// kube-scheduler is `release`: that release on 1.36, else none.
+fn stated_scheduler(release: &str) -> &str {
+    if cluster::minor(release) == 36 {
+        release
+    } else {
+        ""
+    }
 }
 
 async fn wait<T, F, Fut>(what: &str, within: Duration, mut f: F) -> R<T>
@@ -487,11 +507,8 @@ fn claim_specs(c: &Cluster) -> Vec<String> {
 }
 
 /// Which examples this node can give a device, and what its probe must show.
-fn expect_for(example: &str, release: &str) -> Expect {
+fn expect_for(example: &str) -> Expect {
     match example {
-        // kube-scheduler 1.34.4 refuses a whole GPU's MPS share ("cannot
-        // allocate all claims") that carve's allocator and 1.35+ place.
-        "mps-share" if cluster::minor(release) <= 34 => Expect::Pending,
         e if e.starts_with("mig") && e != "mig-mps" => Expect::Mig,
         "whole-gpu" | "timeslice" => Expect::Gpu,
         "mps-share" => Expect::Mps,
@@ -716,7 +733,7 @@ async fn examples(c: &Cluster, client: &Client, host: &GpuHost) -> R<()> {
         // Long enough for the suite to read the claim's device status while
         // the pod runs (the kubelet unprepares it when the pod ends).
         let ex = load_example(&dir, &format!("{PROBE_SCRIPT}\nsleep 8"))?;
-        let expect = expect_for(&ex.name, c.release(Component::Scheduler));
+        let expect = expect_for(&ex.name);
         apply_example(client, &ex).await?;
         let pod = ex.pod.metadata.name.clone().unwrap_or_default();
         if expect == Expect::Pending {
@@ -812,9 +829,8 @@ fn mig_workload(name: &str, seconds: u32) -> R<(ResourceClaim, Pod)> {
     )
 }
 
-/// An MPS share of a MIG partition (as `examples/mig-mps`) on GPU 1: the
-/// share every release here allocates (1.34.4's scheduler leaves a whole
-/// GPU's MPS share pending, see [`expect_for`]).
+/// An MPS share of a MIG partition (as `examples/mig-mps`) on GPU 1, which
+/// hosts MIG-MPS shares (see [`SHARED_GPUS`]).
 fn mps_workload(name: &str, seconds: u32) -> R<(ResourceClaim, Pod)> {
     workload(
         name,

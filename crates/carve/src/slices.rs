@@ -307,13 +307,24 @@ mod tests {
         }
     }
 
+    fn counting_scheduler() -> crate::shares::ShareArgs {
+        crate::shares::ShareArgs {
+            scheduler_version: Some(carve_model::scheduler::SchedulerVersion::new(36, Some(2))),
+            shared_gpus: None,
+        }
+    }
+
     #[test]
     fn table_lists_every_gpu_with_profile_counts() {
-        let t = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
+        let t = run(&SlicesArgs {
+            shares: counting_scheduler(),
+            ..args("h100-80gb:2,l4:1", 36, Output::Table)
+        })
+        .unwrap();
         assert!(t.contains("gpu-0  counter set gpu-0-counters"), "{t}");
-        // The default sharing: each MIG placement has its MIG-MPS device
-        // (counted under its profile), and the L4's MPS share draws on a
-        // counter set.
+        // The default sharing, for a scheduler that counts shares: each MIG
+        // placement has its MIG-MPS device (counted under its profile), and
+        // the L4's MPS share draws on a counter set.
         assert!(t.contains("gpu-2  counter set gpu-2-counters"), "{t}");
         assert!(t.contains("devices:  gpu×1 mps×1 timeslice×1"), "{t}");
         let plain = run(&SlicesArgs {
@@ -327,6 +338,20 @@ mod tests {
         );
         assert!(plain.contains("1g.10gb×7 "), "{plain}");
         assert!(t.contains("1g.10gb×14 "), "{t}");
+        // For the scheduler a 1.35 API server may have (1.34), shares go
+        // apart: none without --shared-gpus, else only on the GPUs listed.
+        let apart = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
+        assert!(!apart.contains("mps") && !apart.contains("timeslice"), "{apart}");
+        let listed = run(&SlicesArgs {
+            shares: crate::shares::ShareArgs {
+                scheduler_version: None,
+                shared_gpus: carve_model::scheduler::parse_shared_gpus("1=mig-mps:3g.40gb,2=mps").ok(),
+            },
+            ..args("h100-80gb:2,l4:1", 35, Output::Table)
+        })
+        .unwrap();
+        assert!(listed.contains("devices:  3g.40gb×2\n"), "{listed}");
+        assert!(listed.contains("devices:  mps×1\n"), "{listed}");
     }
 
     #[test]

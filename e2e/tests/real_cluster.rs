@@ -30,7 +30,8 @@ mod grants;
 const NS: &str = "carve-e2e";
 const PLUGIN_NS: &str = "carve-system";
 /// The GPUs of the simulated node: two H100s and two A100s (MIG off).
-const SIM_GPUS: &str = r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb", "count": 2}]"#;
+const SIM_GPUS: &str =
+    r#"[{"model": "h100-80gb", "count": 2}, {"model": "a100-40gb", "count": 2}]"#;
 const SIM_GPU_COUNT: u32 = 4;
 /// Where shares are published apart (a scheduler that may be older than
 /// 1.36.2): GPU 0 stays exclusive (the MIG examples, the whole GPU), GPU 1

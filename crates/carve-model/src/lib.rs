@@ -12,8 +12,8 @@ pub mod health;
 pub mod models;
 pub mod names;
 pub mod order;
-pub mod sharing;
 pub mod scheduler;
+pub mod sharing;
 pub mod slices;
 pub mod spec;
 

@@ -213,7 +213,9 @@ pub fn parse_shared_gpus(s: &str) -> Result<BTreeMap<u32, SharedGpu>, SchedulerE
             why: why.to_string(),
         };
         let Some((index, kind)) = entry.split_once('=') else {
-            return Err(bad("not INDEX=mps, INDEX=timeslice or INDEX=mig-mps:PROFILE"));
+            return Err(bad(
+                "not INDEX=mps, INDEX=timeslice or INDEX=mig-mps:PROFILE",
+            ));
         };
         let index: u32 = index
             .trim()
@@ -275,10 +277,16 @@ mod tests {
 
     #[test]
     fn the_oldest_scheduler_the_skew_policy_allows() {
-        assert_eq!(SchedulerVersion::oldest_for(37), SchedulerVersion::new(36, Some(0)));
+        assert_eq!(
+            SchedulerVersion::oldest_for(37),
+            SchedulerVersion::new(36, Some(0))
+        );
         assert!(!SchedulerVersion::oldest_for(37).counts_shared_counters());
         assert!(SchedulerVersion::oldest_for(38).counts_shared_counters());
-        assert_eq!(SchedulerVersion::oldest_for(34), SchedulerVersion::new(34, Some(0)));
+        assert_eq!(
+            SchedulerVersion::oldest_for(34),
+            SchedulerVersion::new(34, Some(0))
+        );
         let v = SchedulerVersion::new(36, Some(3));
         assert!(v.allowed_with(36) && v.allowed_with(37));
         assert!(!v.allowed_with(35) && !v.allowed_with(38));
@@ -287,7 +295,10 @@ mod tests {
     #[test]
     fn shared_gpu_lists_parse_and_refuse_what_is_wrong() {
         let m = parse_shared_gpus("1=mig-mps:2g.20gb, 3=mps,4=timeslice").unwrap();
-        assert_eq!(shared_gpus_string(&m), "1=mig-mps:2g.20gb,3=mps,4=timeslice");
+        assert_eq!(
+            shared_gpus_string(&m),
+            "1=mig-mps:2g.20gb,3=mps,4=timeslice"
+        );
         assert!(parse_shared_gpus("").unwrap().is_empty());
         for (bad, says) in [
             ("1", "INDEX="),

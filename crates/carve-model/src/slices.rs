@@ -816,7 +816,10 @@ fn apart(
     };
     let gpu = &g.gpu;
     let Some(kind) = listed.get(&gpu.index) else {
-        return Ok(kinds.into_iter().filter(|k| k.sharing_rank() == 0).collect());
+        return Ok(kinds
+            .into_iter()
+            .filter(|k| k.sharing_rank() == 0)
+            .collect());
     };
     let refuse = |why: String| SliceError::SharedGpu {
         gpu: gpu.index,
@@ -851,7 +854,10 @@ fn apart(
                 return Err(refuse(if known.is_empty() {
                     "it has no MIG profiles".to_string()
                 } else {
-                    format!("it has no profile {profile:?}; its profiles: {}", known.join(", "))
+                    format!(
+                        "it has no profile {profile:?}; its profiles: {}",
+                        known.join(", ")
+                    )
                 }));
             };
             let mut starts: Vec<u8> = kinds
@@ -1195,10 +1201,12 @@ fn plan(
 /// # Errors
 /// As [`build_slices`] for a GPU's spec or static instances.
 pub fn device_order(gpus: &[NodeGpu], order: DeviceOrder) -> Result<Vec<DeviceName>, SliceError> {
-    Ok(plan(gpus, order, &SharingOptions::default(), &ShareLayout::Mixed)?
-        .into_iter()
-        .map(|p| p.name)
-        .collect())
+    Ok(
+        plan(gpus, order, &SharingOptions::default(), &ShareLayout::Mixed)?
+            .into_iter()
+            .map(|p| p.name)
+            .collect(),
+    )
 }
 
 // === attributes ===

@@ -6,13 +6,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use carve_model::DeviceName;
 use carve_model::scheduler::{ShareLayout, SharedGpu, parse_shared_gpus};
 use carve_model::sharing::{ComputeLimit, MemoryLimit, MpsCapabilities};
 use carve_model::slices::{
     KubeLayout, NodeGpu, SharingOptions, SliceError, SliceOptions, build_slices, consumption_fits,
     parse_gpu_spec, simulated_gpus, validate_slices,
 };
-use carve_model::DeviceName;
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
 
 const CAPS: MpsCapabilities = MpsCapabilities {
@@ -87,19 +87,30 @@ fn listed_gpus_publish_one_kind_of_share_on_disjoint_units_and_the_rest_only_exc
         let all = devices(&slices);
         assert_eq!(
             names_on(&all, 1),
-            ["gpu-1-mig-2g20gb-0-mps", "gpu-1-mig-2g20gb-2-mps", "gpu-1-mig-2g20gb-4-mps"]
-                .map(String::from)
-                .into(),
+            [
+                "gpu-1-mig-2g20gb-0-mps",
+                "gpu-1-mig-2g20gb-2-mps",
+                "gpu-1-mig-2g20gb-4-mps"
+            ]
+            .map(String::from)
+            .into(),
         );
         assert_eq!(names_on(&all, 3), ["gpu-3-mps".to_string()].into());
         assert_eq!(names_on(&all, 4), ["gpu-4-ts".to_string()].into());
         // Not listed: the whole GPU and every MIG placement, no share.
         for gpu in [0, 2] {
             let on = names_on(&all, gpu);
-            assert!(on.contains(&format!("gpu-{gpu}")) && on.len() > 20, "{on:?}");
+            assert!(
+                on.contains(&format!("gpu-{gpu}")) && on.len() > 20,
+                "{on:?}"
+            );
             assert!(all.iter().filter(|d| gpu_of(d) == gpu).all(|d| !shared(d)));
         }
-        assert!(all.iter().filter(|d| [1, 3, 4].contains(&gpu_of(d))).all(|d| shared(d)));
+        assert!(
+            all.iter()
+                .filter(|d| [1, 3, 4].contains(&gpu_of(d)))
+                .all(|d| shared(d))
+        );
     }
 }
 
@@ -110,7 +121,10 @@ fn listed_gpus_publish_one_kind_of_share_on_disjoint_units_and_the_rest_only_exc
 #[test]
 fn on_a_gpu_with_shares_all_its_devices_fit_together() {
     for (spec, list) in [
-        ("h100-80gb:4", "0=mig-mps:1g.10gb,1=mig-mps:1g.10gb+me,2=mig-mps:3g.40gb,3=mps"),
+        (
+            "h100-80gb:4",
+            "0=mig-mps:1g.10gb,1=mig-mps:1g.10gb+me,2=mig-mps:3g.40gb,3=mps",
+        ),
         ("h200:2", "0=mig-mps:1g.18gb,1=timeslice"),
         ("a100-40gb:2", "0=mig-mps:2g.10gb,1=mps"),
         ("a30:2", "0=mig-mps:1g.6gb,1=mig-mps:2g.12gb"),
@@ -122,7 +136,9 @@ fn on_a_gpu_with_shares_all_its_devices_fit_together() {
         for gpu in parse_shared_gpus(list).unwrap().keys() {
             let on: Vec<&Device> = all.iter().copied().filter(|d| gpu_of(d) == *gpu).collect();
             assert!(!on.is_empty(), "{spec} gpu {gpu}");
-            let set = on[0].consumes_counters.as_ref().unwrap()[0].counter_set.clone();
+            let set = on[0].consumes_counters.as_ref().unwrap()[0]
+                .counter_set
+                .clone();
             assert!(
                 consumption_fits(&sets[&set], &on).unwrap(),
                 "{spec} gpu {gpu}: {:?} overlap",
@@ -163,14 +179,22 @@ fn in_the_1_34_layout_each_gpu_with_shares_has_a_slice_of_its_own() {
         let devs: Vec<&Device> = s.spec.devices.iter().flatten().collect();
         let gpus: BTreeSet<u32> = devs.iter().map(|d| gpu_of(d)).collect();
         if devs.iter().any(|d| shared(d)) {
-            assert_eq!(gpus.len(), 1, "{:?}", devs.iter().map(|d| &d.name).collect::<Vec<_>>());
+            assert_eq!(
+                gpus.len(),
+                1,
+                "{:?}",
+                devs.iter().map(|d| &d.name).collect::<Vec<_>>()
+            );
             assert!(devs.iter().all(|d| d.capacity == devs[0].capacity));
         }
     }
     let slices = build(&node("h100-80gb:1"), KubeLayout::V134, "0=mig-mps:2g.20gb").unwrap();
     let devs = devices(&slices);
     assert_eq!(devs.len(), 3);
-    assert!(devs.iter().all(|d| shared(d) && d.capacity == devs[0].capacity));
+    assert!(
+        devs.iter()
+            .all(|d| shared(d) && d.capacity == devs[0].capacity)
+    );
 }
 
 #[test]
@@ -182,8 +206,14 @@ fn a_list_the_node_cannot_host_is_refused_by_name() {
     let gpus = node("h100-80gb:1,l4:1");
     for (list, says) in [
         ("5=mps", "no GPU 5 (its GPUs: 0, 1)"),
-        ("0=mig-mps:9g.1gb", "no profile \"9g.1gb\"; its profiles: 1g.10gb"),
-        ("1=mig-mps:1g.5gb", "GPU 1 (NVIDIA L4) cannot host mig-mps:1g.5gb shares: it has no MIG profiles"),
+        (
+            "0=mig-mps:9g.1gb",
+            "no profile \"9g.1gb\"; its profiles: 1g.10gb",
+        ),
+        (
+            "1=mig-mps:1g.5gb",
+            "GPU 1 (NVIDIA L4) cannot host mig-mps:1g.5gb shares: it has no MIG profiles",
+        ),
     ] {
         let e = refused(&gpus, list);
         assert!(e.contains(says), "{list}: {e}");
@@ -194,11 +224,17 @@ fn a_list_the_node_cannot_host_is_refused_by_name() {
         ..all_sharing()
     };
     o.shares = ShareLayout::Separate([(0, SharedGpu::Timeslice)].into());
-    let e = build_slices(&gpus, &o).err().expect("timeslice off").to_string();
+    let e = build_slices(&gpus, &o)
+        .err()
+        .expect("timeslice off")
+        .to_string();
     assert!(e.contains("sharing does not include timeslice"), "{e}");
     let mut locked = node("a100-40gb:1");
     locked[0].mig_locked = true;
     let e = refused(&locked, "0=mps");
-    assert!(e.contains("MIG mode is on") && e.contains("mig-mps:PROFILE"), "{e}");
+    assert!(
+        e.contains("MIG mode is on") && e.contains("mig-mps:PROFILE"),
+        "{e}"
+    );
     assert!(build(&locked, KubeLayout::V135Plus, "0=mig-mps:1g.5gb").is_ok());
 }

@@ -871,7 +871,9 @@ impl Builder {
     fn slices(&self, version: KubeVersion) -> anyhow::Result<Vec<ResourceSlice>> {
         let mut o = self.opts.clone();
         o.layout = version.layout()?;
-        let decision = self.shares.decide(version, "");
+        let decision = self
+            .shares
+            .decide(version, &std::collections::BTreeMap::new());
         let sharing_on = o.sharing.mps || o.sharing.mig_mps || o.sharing.timeslice;
         if let Some(note) = decision.note(sharing_on) {
             tracing::warn!(apiserver = %version, scheduler = %decision.scheduler, "{note}");

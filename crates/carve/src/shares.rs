@@ -81,11 +81,31 @@ impl ShareDecision {
     }
 }
 
+/// [`DEFAULT_NODE_SHARED_GPUS`] without the kinds `sharing` leaves off
+/// (`--sharing none` shares nothing there).
+#[must_use]
+pub fn default_node_shared(sharing: &[crate::simulate::SimSharing]) -> BTreeMap<u32, SharedGpu> {
+    use crate::simulate::SimSharing;
+    let mut m = parse_shared_gpus(DEFAULT_NODE_SHARED_GPUS).unwrap_or_default();
+    m.retain(|_, g| {
+        sharing.contains(&match g {
+            SharedGpu::Mps => SimSharing::Mps,
+            SharedGpu::Timeslice => SimSharing::Timeslice,
+            SharedGpu::MigMps { .. } => SimSharing::MigMps,
+        })
+    });
+    m
+}
+
 impl ShareArgs {
     /// The decision for an API server of `api`, with `default_shared` where
     /// `--shared-gpus` is not given.
     #[must_use]
-    pub fn decide(&self, api: KubeVersion, default_shared: &str) -> ShareDecision {
+    pub fn decide(
+        &self,
+        api: KubeVersion,
+        default_shared: &BTreeMap<u32, SharedGpu>,
+    ) -> ShareDecision {
         let (scheduler, stated) = match self.scheduler_version {
             Some(v) if v.allowed_with(api.minor) || api.major != 1 => (v, true),
             Some(v) => {
@@ -94,14 +114,11 @@ impl ShareArgs {
             }
             None => (SchedulerVersion::oldest_for(api.minor), false),
         };
-        let shared = match &self.shared_gpus {
-            Some(m) => m.clone(),
-            None => parse_shared_gpus(default_shared).unwrap_or_default(),
-        };
+        let shared = self.shared_gpus.as_ref().unwrap_or(default_shared);
         ShareDecision {
             scheduler,
             stated,
-            layout: ShareLayout::for_scheduler(scheduler, &shared),
+            layout: ShareLayout::for_scheduler(scheduler, shared),
         }
     }
 
@@ -147,7 +164,8 @@ mod tests {
     #[test]
     fn without_a_stated_version_the_oldest_allowed_scheduler_decides() {
         let none = ShareArgs::default();
-        let d = none.decide(KubeVersion::new(1, 37), "");
+        let empty = BTreeMap::new();
+        let d = none.decide(KubeVersion::new(1, 37), &empty);
         assert_eq!(d.scheduler, SchedulerVersion::new(36, Some(0)));
         assert_eq!(d.layout, ShareLayout::Separate(BTreeMap::new()));
         assert!(d.note(true).unwrap().contains("no share is published"));
@@ -156,11 +174,26 @@ mod tests {
             scheduler_version: Some(SchedulerVersion::new(36, Some(2))),
             ..ShareArgs::default()
         };
-        assert_eq!(stated.decide(KubeVersion::new(1, 37), "").layout, ShareLayout::Mixed);
+        assert_eq!(
+            stated.decide(KubeVersion::new(1, 37), &empty).layout,
+            ShareLayout::Mixed
+        );
         // Newer than the API server: not allowed, so not believed.
-        let d = stated.decide(KubeVersion::new(1, 35), "");
+        let d = stated.decide(KubeVersion::new(1, 35), &empty);
         assert!(!d.stated && matches!(d.layout, ShareLayout::Separate(_)));
-        let d = ShareArgs::default().decide(KubeVersion::new(1, 35), DEFAULT_NODE_SHARED_GPUS);
-        assert!(d.note(true).unwrap().contains("3=mps,4=timeslice,5=mig-mps:2g.20gb"));
+        use crate::simulate::SimSharing;
+        let all =
+            default_node_shared(&[SimSharing::Mps, SimSharing::MigMps, SimSharing::Timeslice]);
+        let d = ShareArgs::default().decide(KubeVersion::new(1, 35), &all);
+        assert!(
+            d.note(true)
+                .unwrap()
+                .contains("3=mps,4=timeslice,5=mig-mps:2g.20gb")
+        );
+        assert_eq!(
+            shared_gpus_string(&default_node_shared(&[SimSharing::Timeslice])),
+            "4=timeslice"
+        );
+        assert!(default_node_shared(&[SimSharing::None]).is_empty());
     }
 }

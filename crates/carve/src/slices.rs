@@ -235,19 +235,17 @@ pub fn build(args: &SlicesArgs) -> anyhow::Result<Vec<ResourceSlice>> {
 /// default simulated node.
 pub fn share_decision(args: &SlicesArgs) -> crate::shares::ShareDecision {
     let default_shared = if !args.from_nvml && args.gpus == DEFAULT_GPUS {
-        crate::shares::DEFAULT_NODE_SHARED_GPUS
+        crate::shares::default_node_shared(&sharing_kinds(args).unwrap_or_default())
     } else {
-        ""
+        std::collections::BTreeMap::new()
     };
     let api = KubeVersion::new(args.kube_version.major, args.kube_version.minor);
-    args.shares.decide(api, default_shared)
+    args.shares.decide(api, &default_shared)
 }
 
 /// [`share_decision`]'s note, where it has one and the node shares.
 pub fn share_note(args: &SlicesArgs) -> anyhow::Result<Option<String>> {
-    let on = sharing_kinds(args)?
-        .iter()
-        .any(|k| *k != SimSharing::None);
+    let on = sharing_kinds(args)?.iter().any(|k| *k != SimSharing::None);
     Ok(share_decision(args).note(on))
 }
 
@@ -341,11 +339,15 @@ mod tests {
         // For the scheduler a 1.35 API server may have (1.34), shares go
         // apart: none without --shared-gpus, else only on the GPUs listed.
         let apart = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
-        assert!(!apart.contains("mps") && !apart.contains("timeslice"), "{apart}");
+        assert!(
+            !apart.contains("mps") && !apart.contains("timeslice"),
+            "{apart}"
+        );
         let listed = run(&SlicesArgs {
             shares: crate::shares::ShareArgs {
                 scheduler_version: None,
-                shared_gpus: carve_model::scheduler::parse_shared_gpus("1=mig-mps:3g.40gb,2=mps").ok(),
+                shared_gpus: carve_model::scheduler::parse_shared_gpus("1=mig-mps:3g.40gb,2=mps")
+                    .ok(),
             },
             ..args("h100-80gb:2,l4:1", 35, Output::Table)
         })

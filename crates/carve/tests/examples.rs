@@ -64,13 +64,42 @@ fn every_example_that_fits_a_node_shape_is_prepared_and_the_rest_say_why() {
     let mig_off_a100 = "no GPU of this node publishes MIG partitions: NVIDIA A100-SXM4-40GB (MIG mode off, and on this architecture turning it on needs a GPU reset";
     let shapes: Vec<Shape> = vec![
         (vec![], vec![]),
-        (vec!["--gpus", "h200:8"], vec![]),
-        (vec!["--gpus", "h100-80gb:1,h200:4"], vec![]),
+        // Shares go on the GPUs --shared-gpus names (the scheduler a 1.35
+        // API server may have does not count them); the rest stay exclusive.
         (
-            vec!["--gpus", "a100-40gb:4"],
+            vec![
+                "--gpus",
+                "h200:8",
+                "--shared-gpus",
+                "5=mps,6=timeslice,7=mig-mps:2g.35gb",
+            ],
+            vec![],
+        ),
+        (
+            vec![
+                "--gpus",
+                "h100-80gb:1,h200:4",
+                "--shared-gpus",
+                "3=mps,4=mig-mps:2g.35gb",
+            ],
+            vec![(
+                "timeslice",
+                "none is named for these; add INDEX=timeslice to --shared-gpus".into(),
+            )],
+        ),
+        (
+            vec![
+                "--gpus",
+                "a100-40gb:4",
+                "--shared-gpus",
+                "1=mps,2=timeslice",
+            ],
             MIG.iter()
-                .chain(["mig-mps"].iter())
                 .map(|n| (*n, mig_off_a100.to_string()))
+                .chain([(
+                    "mig-mps",
+                    "add INDEX=mig-mps:PROFILE to --shared-gpus".to_string(),
+                )])
                 .collect(),
         ),
         (
@@ -87,7 +116,14 @@ fn every_example_that_fits_a_node_shape_is_prepared_and_the_rest_say_why() {
                 .collect(),
         ),
         (
-            vec!["--gpus", "h200:4", "--sharing", "mps"],
+            vec![
+                "--gpus",
+                "h200:4",
+                "--sharing",
+                "mps",
+                "--shared-gpus",
+                "3=mps",
+            ],
             vec![
                 (
                     "timeslice",

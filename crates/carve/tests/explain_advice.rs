@@ -57,7 +57,7 @@ fn simulate_explain_and_slices_default_to_one_node_with_its_sharing() {
     ];
     assert!(
         gpus.iter()
-            .all(|g| g.as_deref() == Some("h100-80gb:2,a100-40gb:3")),
+            .all(|g| g.as_deref() == Some("h100-80gb:2,a100-40gb:3,h100-80gb:1")),
         "{gpus:?}"
     );
     for flag in ["--sharing", "--kube-version"] {
@@ -77,8 +77,22 @@ fn simulate_explain_and_slices_default_to_one_node_with_its_sharing() {
     assert!(r.stdout.contains("-mps"), "{}", r.stdout);
     // The node is chosen with the same flag as simulate's; explain's former
     // name for it still works and means the same node.
-    let named = carve(&["explain", c.to_str().unwrap(), "--gpus", "h200:1"]);
-    let old = carve(&["explain", c.to_str().unwrap(), "--simulate-gpus", "h200:1"]);
+    let named = carve(&[
+        "explain",
+        c.to_str().unwrap(),
+        "--gpus",
+        "h200:1",
+        "--shared-gpus",
+        "0=mps",
+    ]);
+    let old = carve(&[
+        "explain",
+        c.to_str().unwrap(),
+        "--simulate-gpus",
+        "h200:1",
+        "--shared-gpus",
+        "0=mps",
+    ]);
     assert_eq!(named.code, 0, "{}{}", named.stdout, named.stderr);
     assert_eq!((named.code, &named.stdout), (old.code, &old.stdout));
     let bad = carve(&["explain", c.to_str().unwrap(), "--simulate-gpus", "h999:1"]);
@@ -94,8 +108,9 @@ fn simulate_explain_and_slices_default_to_one_node_with_its_sharing() {
     assert_eq!(s.code, 0, "{}", s.stderr);
     let plain = carve(&["slices", "--sharing", "none"]);
     let all = carve(&["slices"]);
-    assert!(all.stdout.contains("name: gpu-2-mps"), "{}", all.stdout);
-    assert!(all.stdout.contains("name: gpu-3-ts"), "{}", all.stdout);
+    assert!(all.stdout.contains("name: gpu-3-mps"), "{}", all.stdout);
+    assert!(all.stdout.contains("name: gpu-4-ts"), "{}", all.stdout);
+    assert!(!all.stdout.contains("name: gpu-2-mps"), "{}", all.stdout);
     assert!(!plain.stdout.contains("-mps"), "{}", plain.stdout);
     let r = carve(&["slices", "--sharing", "none,mps"]);
     assert_ne!(r.code, 0);
@@ -364,6 +379,8 @@ fn a_shared_gpu_is_drawn_by_what_its_shares_use_and_the_report_ends_with_what_ne
         "simulate",
         "--gpus",
         "a100-40gb:1",
+        "--shared-gpus",
+        "0=mps",
         "--claims",
         file.to_str().unwrap(),
     ]);
@@ -423,6 +440,8 @@ fn no_release_names_the_files_it_keeps_and_the_mounts_it_leaves() {
         "simulate",
         "--gpus",
         "h100-80gb:1,a100-40gb:1",
+        "--shared-gpus",
+        "1=mps",
         "--claims",
         file.to_str().unwrap(),
         "--no-release",

@@ -98,6 +98,12 @@ fn sharing_node(dir: &Path, gpus: &str) -> PathBuf {
             gpus,
             "--sharing",
             "mps,mig-mps,timeslice",
+            // Every share beside the MIG devices: a scheduler that counts
+            // shares.
+            "--kube-version",
+            "1.36",
+            "--scheduler-version",
+            "1.36.2",
         ],
         dir,
     );

@@ -222,11 +222,16 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         out.contains("1g.10gb×7"),
         "H100 MIG devices published: {out}"
     );
-    // MIG-MPS devices (on by default) are counted apart from the MIG ones.
+    // For the scheduler a 1.35 API server may have, shares are apart: the
+    // last H100 publishes only MIG-MPS shares on its three 2g.20gb
+    // placements, the first two no share at all.
     assert!(
-        out.contains("timeslice×1; MIG-MPS 1g.10gb×7 "),
+        out.contains(
+            "gpu-5 (NVIDIA H100 80GB HBM3, MIG off until a claim needs it): MIG-MPS 2g.20gb×3"
+        ),
         "H100 MIG-MPS devices published: {out}"
     );
+    assert!(out.contains("7g.80gb×1 gpu×1\n"), "exclusive H100s: {out}");
     for name in [
         "mig-1g",
         "mig-by-memory",
@@ -302,8 +307,8 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
     );
     assert!(
         mig_mps.iter().any(
-            |l| l.contains("request gpu -> gpu-1-mig-2g20gb-0-mps: MPS share ")
-                && l.contains("(2g.20gb at memory slice 0, GPU instance")
+            |l| l.contains("request gpu -> gpu-5-mig-2g20gb-4-mps: MPS share ")
+                && l.contains("(2g.20gb at memory slice 4, GPU instance")
         ),
         "{mig_mps:#?}\n{out}"
     );
@@ -317,7 +322,7 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
     assert!(
         // Drawn within its MIG instance by what its shares use.
         out.contains(
-            " = mig-mps 2g.20gb at slice 0 (MIG instance shared through MPS; the shares use "
+            " = mig-mps 2g.20gb at slice 4 (MIG instance shared through MPS; the shares use "
         ),
         "{out}"
     );
@@ -355,12 +360,12 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
         "{out}"
     );
     assert!(
-        out.contains("no GPU instance left: 0 GPU instances on 5 GPU(s)"),
+        out.contains("no GPU instance left: 0 GPU instances on 6 GPU(s)"),
         "{out}"
     );
     assert!(
         out.contains(&format!(
-            "no MPS daemon left: 2 daemon(s) served claims (pid {m} on gpu-1-mig-2g20gb-0-mps, pid {a} on gpu-"
+            "no MPS daemon left: 2 daemon(s) served claims (pid {a} on gpu-3-mps, pid {m} on gpu-5-mig-2g20gb-4-mps), all gone"
         )),
         "{out}"
     );
@@ -369,16 +374,25 @@ fn default_run_prepares_every_mig_example_and_leaves_no_instance() {
 
 #[test]
 fn mig_examples_on_an_l4_are_reported_and_the_whole_gpu_is_prepared() {
-    // Exit 1 once everything is released: claims the user asked for that find
-    // no device are reported, and the run's status says so (issue 20).
     let tmp = tempfile::tempdir().unwrap();
     let o = carve(&["simulate", "--gpus", "l4:1"], tmp.path());
     let (out, err) = text(&o);
+    // Every example either runs or cannot run on this node by its shape and
+    // flags: the MIG ones (no MIG), and the shares, which go only on GPUs
+    // named by --shared-gpus for the scheduler a 1.35 API server may have.
     assert!(
-        o.status.code() == Some(1) && out.contains("\nnot prepared: "),
+        o.status.success() && !out.contains("\nnot prepared: "),
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
+    for entry in ["INDEX=mps", "INDEX=timeslice", "INDEX=mig-mps:PROFILE"] {
+        assert!(
+            out.contains(&format!(
+                "none is named for these; add {entry} to --shared-gpus"
+            )),
+            "{entry}\n{out}"
+        );
+    }
     for name in [
         "mig-1g",
         "mig-by-memory",
@@ -469,7 +483,7 @@ fn keep_keeps_the_directory_with_the_plugin_log() {
     let o = carve(&["simulate", "--gpus", "l4:1", "--keep"], tmp.path());
     let (out, err) = text(&o);
     assert!(
-        o.status.code() == Some(1) && out.contains("\nnot prepared: "),
+        o.status.success(),
         "exit {}\nstdout:\n{out}\nstderr:\n{err}",
         o.status
     );
@@ -605,6 +619,8 @@ fn mps_v2_puts_the_limits_in_the_container_environment() {
             "simulate",
             "--gpus",
             "a100-40gb:1",
+            "--shared-gpus",
+            "0=mps",
             "--claims",
             dir.path().to_str().unwrap(),
             "--sharing",
@@ -732,6 +748,8 @@ fn two_claims_share_one_mig_instance_through_one_daemon() {
             "simulate",
             "--gpus",
             "h100:1",
+            "--shared-gpus",
+            "0=mig-mps:3g.40gb",
             "--claims",
             dir.path().to_str().unwrap(),
             "--sharing",
@@ -792,6 +810,8 @@ fn mps_shares_the_daemon_refuses_fail_their_claims_and_leave_no_daemon() {
             "simulate",
             "--gpus",
             "h100:1",
+            "--shared-gpus",
+            "0=mig-mps:3g.40gb",
             "--claims",
             dir.path().to_str().unwrap(),
             "--sharing",
@@ -845,6 +865,8 @@ fn a_daemon_crash_fails_the_claim_that_hit_it_and_leaves_no_daemon() {
             "simulate",
             "--gpus",
             "a100-40gb:1",
+            "--shared-gpus",
+            "0=mps",
             "--claims",
             dir.path().to_str().unwrap(),
         ],

@@ -314,15 +314,24 @@ fn explain_says_when_the_unfixed_scheduler_would_refuse_a_claim_that_fits() {
 
 #[test]
 fn slices_publish_sharing_devices_as_the_plugin_would() {
-    let r = carve(&[
-        "slices",
-        "--gpus",
-        "h100-80gb:1",
-        "--sharing",
-        "mps,timeslice",
-        "-o",
-        "json",
-    ]);
+    // For a scheduler that counts shares: every share beside the GPU's
+    // exclusive devices.
+    let counted = ["--kube-version", "1.37", "--scheduler-version", "1.37.2"];
+    let r = carve(
+        &[
+            &[
+                "slices",
+                "--gpus",
+                "h100-80gb:1",
+                "--sharing",
+                "mps,timeslice",
+                "-o",
+                "json",
+            ][..],
+            &counted,
+        ]
+        .concat(),
+    );
     assert_eq!(r.code, 0, "{}", r.stderr);
     let slices: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     let devices: Vec<&serde_json::Value> = slices
@@ -352,8 +361,65 @@ fn slices_publish_sharing_devices_as_the_plugin_would() {
         "json",
     ]);
     assert!(!plain.stdout.contains("gpu-0-mps") && !plain.stdout.contains("gpu-0-ts"));
-    let default = carve(&["slices", "--gpus", "h100-80gb:1", "-o", "json"]);
+    let default = carve(
+        &[
+            &["slices", "--gpus", "h100-80gb:1", "-o", "json"][..],
+            &counted,
+        ]
+        .concat(),
+    );
     assert!(default.stdout.contains("gpu-0-mps") && default.stdout.contains("gpu-0-ts"));
+    // For the scheduler a 1.37 API server may have (1.36.0): no share
+    // without --shared-gpus, and a note on stderr saying why.
+    let apart = carve(&[
+        "slices",
+        "--gpus",
+        "h100-80gb:1",
+        "--kube-version",
+        "1.37",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(apart.code, 0, "{}", apart.stderr);
+    assert!(
+        !apart.stdout.contains("-mps\"") && !apart.stdout.contains("-ts\""),
+        "{}",
+        apart.stdout
+    );
+    assert!(
+        apart.stderr.contains("kube-scheduler may be 1.36.0")
+            && apart.stderr.contains("--shared-gpus"),
+        "{}",
+        apart.stderr
+    );
+    let listed = carve(&[
+        "slices",
+        "--gpus",
+        "h100-80gb:2",
+        "--kube-version",
+        "1.37",
+        "--shared-gpus",
+        "1=timeslice",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(listed.code, 0, "{}", listed.stderr);
+    assert!(
+        listed.stdout.contains("\"gpu-1-ts\"") && !listed.stdout.contains("\"gpu-1\""),
+        "{}",
+        listed.stdout
+    );
+    assert!(listed.stdout.contains("\"gpu-0\"") && !listed.stdout.contains("gpu-0-mps"));
+    let bad = carve(&["slices", "--gpus", "h100-80gb:2", "--shared-gpus", "2=mps"]);
+    assert_eq!(bad.code, 1, "{}", bad.stderr);
+    assert!(
+        bad.stderr.contains("no GPU 2 (its GPUs: 0, 1)"),
+        "{}",
+        bad.stderr
+    );
+    let bad = carve(&["slices", "--shared-gpus", "0=mig-mps"]);
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+    assert!(bad.stderr.contains("mig-mps:PROFILE"), "{}", bad.stderr);
 }
 
 /// The error line carve prints (stderr's `carve: ...` line).
@@ -744,6 +810,8 @@ fn simulate_takes_a_claims_file_as_well_as_a_directory() {
         "simulate",
         "--gpus",
         "h100:1",
+        "--shared-gpus",
+        "0=mps",
         "--claims",
         file.to_str().unwrap(),
     ]);
@@ -786,6 +854,8 @@ const SHARED_NOTE: &str = "does not count the counters of shared devices already
 #[test]
 fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
     let dir = tempfile::tempdir().unwrap();
+    // Slices published for a scheduler that counts shares (the share beside
+    // the MIG devices of its GPU), read by one that does not.
     let slices = carve(&[
         "slices",
         "--gpus",
@@ -794,6 +864,10 @@ fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
         "node-a",
         "--sharing",
         "mps",
+        "--kube-version",
+        "1.37",
+        "--scheduler-version",
+        "1.37",
     ]);
     assert_eq!(slices.code, 0, "{}", slices.stderr);
     let state = dir.path().join("state.yaml");
@@ -820,7 +894,8 @@ fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
         assert!(
             r.stdout
                 .contains(&format!("note: kube-scheduler {v} {SHARED_NOTE}"))
-                && r.stdout.contains("(gpu-0-mps on this node)")
+                && r.stdout
+                    .contains("(gpu-0-mps on this node, which other published devices overlap)")
                 && r.stdout.contains("fixed in 1.36.2"),
             "{v}: {}",
             r.stdout
@@ -850,6 +925,34 @@ fn an_unfixed_scheduler_is_said_to_place_over_a_running_share() {
     ]);
     assert_eq!(empty.code, 0, "{}", empty.stderr);
     assert!(!empty.stdout.contains("note:"), "{}", empty.stdout);
+    // Shares published apart (GPU 0 hosts only the MPS share): nothing
+    // overlaps the share, so the older scheduler cannot place over it.
+    let apart = carve(&[
+        "slices",
+        "--gpus",
+        "h100-80gb:2",
+        "--node",
+        "node-a",
+        "--sharing",
+        "mps",
+        "--shared-gpus",
+        "0=mps",
+    ]);
+    assert_eq!(apart.code, 0, "{}", apart.stderr);
+    let state = dir.path().join("apart.yaml");
+    std::fs::write(
+        &state,
+        format!(
+            "{}{}",
+            apart.stdout,
+            allocated_of_class("share", "mps.gpu.carve.dev", "gpu-0-mps")
+        ),
+    )
+    .unwrap();
+    let r = explain_on(&claim, state.to_str().unwrap(), "1.35", &[]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("-> gpu-1-mig-1g10gb-"), "{}", r.stdout);
+    assert!(!r.stdout.contains("note:"), "{}", r.stdout);
 }
 
 const DISTINCT: &str = "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: apart, namespace: default}\nspec:\n  devices:\n    requests:\n    - name: a\n      exactly: {deviceClassName: mig.gpu.carve.dev}\n    - name: b\n      exactly: {deviceClassName: mig.gpu.carve.dev}\n    constraints:\n    - requests: [a, b]\n      distinctAttribute: gpu.carve.dev/parentUUID\n";

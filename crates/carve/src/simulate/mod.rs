@@ -342,8 +342,7 @@ pub(super) fn share_decision(args: &SimulateArgs) -> crate::shares::ShareDecisio
 pub(super) fn plugin_share_flags(args: &SimulateArgs) -> Vec<String> {
     let mut shares = args.shares.clone();
     if shares.shared_gpus.is_none() && args.gpus == crate::slices::DEFAULT_GPUS {
-        shares.shared_gpus =
-            carve_model::scheduler::parse_shared_gpus(crate::shares::DEFAULT_NODE_SHARED_GPUS).ok();
+        shares.shared_gpus = Some(crate::shares::default_node_shared(&args.sharing));
     }
     shares.to_flags()
 }

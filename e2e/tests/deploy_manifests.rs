@@ -1262,6 +1262,47 @@ fn timeslice_alone_renders_its_sharing_flag() {
 }
 
 #[test]
+fn scheduler_version_and_shared_gpus_render_their_flags_and_bad_ones_are_refused() {
+    let m = render_valid(&values_with(
+        "{mps: {enabled: true, controlBinary: /usr/bin/nvidia-cuda-mps-control}, scheduler: {version: '1.35.6'}, sharedGpus: '6=mps,7=mig-mps:2g.20gb'}",
+    ));
+    let a = args(plugin_container(one(&m.daemonsets, "DaemonSet")));
+    assert!(
+        a.contains(&"--scheduler-version=1.35.6".to_string()),
+        "{a:?}"
+    );
+    assert!(
+        a.contains(&"--shared-gpus=6=mps,7=mig-mps:2g.20gb".to_string()),
+        "{a:?}"
+    );
+    // The defaults give neither: the plugin assumes the oldest scheduler
+    // the skew policy allows, and names no GPU for shares.
+    let d = render_valid(&default_values());
+    let a = args(plugin_container(one(&d.daemonsets, "DaemonSet")));
+    assert!(
+        !a.iter()
+            .any(|x| x.starts_with("--scheduler-version") || x.starts_with("--shared-gpus")),
+        "{a:?}"
+    );
+    let schema: Json =
+        serde_json::from_str(&read(&chart_dir().join("values.schema.json"))).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    for (overlay, path) in [
+        ("{scheduler: {version: '1.35.x'}}", "/scheduler/version"),
+        ("{scheduler: {version: '2'}}", "/scheduler/version"),
+        ("{sharedGpus: '6=mig'}", "/sharedGpus"),
+        ("{sharedGpus: 'mps'}", "/sharedGpus"),
+        ("{sharedGpus: '6=mig-mps'}", "/sharedGpus"),
+    ] {
+        let errors: Vec<String> = validator
+            .iter_errors(&to_json(&values_with(overlay)))
+            .map(|e| format!("{}", e.instance_path()))
+            .collect();
+        assert!(errors.iter().any(|p| p == path), "{overlay}: {errors:?}");
+    }
+}
+
+#[test]
 fn optional_objects_can_be_turned_off() {
     let m = render_valid(&values_with(
         "{deviceClasses: {enabled: false}, validatingAdmissionPolicy: {enabled: false}}",

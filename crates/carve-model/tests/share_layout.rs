@@ -224,10 +224,10 @@ fn a_list_the_node_cannot_host_is_refused_by_name() {
         ..all_sharing()
     };
     o.shares = ShareLayout::Separate([(0, SharedGpu::Timeslice)].into());
-    let e = build_slices(&gpus, &o)
-        .err()
-        .expect("timeslice off")
-        .to_string();
+    let Err(e) = build_slices(&gpus, &o) else {
+        panic!("timeslice off, yet GPU 0 was given time-sliced shares");
+    };
+    let e = e.to_string();
     assert!(e.contains("sharing does not include timeslice"), "{e}");
     let mut locked = node("a100-40gb:1");
     locked[0].mig_locked = true;

@@ -134,8 +134,10 @@ fn held_shares_overlapped(inputs: &Inputs, node: &str) -> Vec<String> {
             }
         }
     }
-    // (pool, device) -> its consumption.
-    let mut uses: BTreeMap<(&str, &str), (bool, Vec<((&str, &str), i128)>)> = BTreeMap::new();
+    // (counter set, counter) and an amount in milli-units.
+    type Use<'a> = ((&'a str, &'a str), i128);
+    // (pool, device) -> whether it is shared, its consumption.
+    let mut uses: BTreeMap<(&str, &str), (bool, Vec<Use<'_>>)> = BTreeMap::new();
     for s in on_node() {
         for d in s.spec.devices.iter().flatten() {
             let mut u = Vec::new();
@@ -150,7 +152,7 @@ fn held_shares_overlapped(inputs: &Inputs, node: &str) -> Vec<String> {
             uses.insert((s.spec.pool.name.as_str(), d.name.as_str()), (shared, u));
         }
     }
-    let overlapped = |key: (&str, &str), mine: &[((&str, &str), i128)]| {
+    let overlapped = |key: (&str, &str), mine: &[Use<'_>]| {
         uses.iter().any(|(other, (_, theirs))| {
             *other != key
                 && other.0 == key.0

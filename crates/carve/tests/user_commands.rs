@@ -989,6 +989,34 @@ fn a_1_34_scheduler_is_said_to_ignore_distinct_attribute() {
     ]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(!r.stdout.contains("distinctAttribute"), "{}", r.stdout);
+    // Without --scheduler-version, a simulated node's API server version
+    // says which schedulers may run beside it: on 1.34 only 1.34.
+    let r = carve(&[
+        "explain",
+        claim,
+        "--gpus",
+        "h100-80gb:2",
+        "--kube-version",
+        "1.34",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout
+            .contains("note: kube-scheduler 1.34.0 does not enforce distinctAttribute")
+            && r.stdout.contains("note: kube-scheduler 1.34.0 is assumed"),
+        "{}",
+        r.stdout
+    );
+    let r = carve(&[
+        "explain",
+        claim,
+        "--gpus",
+        "h100-80gb:2",
+        "--kube-version",
+        "1.36",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!r.stdout.contains("note:"), "{}", r.stdout);
 }
 
 #[test]

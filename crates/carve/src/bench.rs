@@ -22,6 +22,10 @@ pub enum BenchCommand {
     /// heuristic) against the exact per-node optimum and inside a modelled
     /// kube-scheduler, with the failure decomposition.
     Fragmentation(FragBench),
+    /// What publishing shares apart (for a kube-scheduler before 1.36.2)
+    /// costs in packing: claims placed by carve's allocator on each layout
+    /// of one node, paired over seeds.
+    Shares(crate::bench_shares::SharesBench),
 }
 
 #[derive(Debug, clap::Args)]
@@ -179,6 +183,10 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Prepare(a) => prepare(&a),
         BenchCommand::Fragmentation(a) => fragmentation(a),
+        BenchCommand::Shares(a) => {
+            print!("{}", crate::bench_shares::run(&a)?);
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod advise;
 mod bench;
+mod bench_shares;
 mod explain;
 mod plugin;
 mod render;

@@ -9,8 +9,8 @@
 //!   take the counters of a device only when it is in `AllocatedDevices`,
 //!   which holds devices allocated whole; shared (multi-allocatable) devices
 //!   are in `AllocatedSharedDeviceIDs` and their counters are left out (read
-//!   in the sources of 1.34.13, 1.35.10 and 1.36.1, the newest of their lines
-//!   the Go module proxy serves). From 1.36.2 (and in 1.37.2) the allocator
+//!   in the sources of 1.34.13 and 1.35.10, the newest of their lines the Go
+//!   module proxy serves, and of 1.36.1). From 1.36.2 (and in 1.37.2) the allocator
 //!   asks `internal.IsDeviceAllocated`, which counts both. So before 1.36.2 a MIG
 //!   partition or a whole GPU can be allocated over a running MPS,
 //!   MIG-MPS or time-slice share, and one share over another share's units.

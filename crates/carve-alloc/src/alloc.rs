@@ -645,6 +645,17 @@ impl<'a> Allocator<'a> {
         Err(AllocError::Unsatisfiable(Box::new(e)))
     }
 
+    /// [`Allocator::allocate`] without the explanation when the claim does
+    /// not fit (`Ok(None)`): the same search, for callers that only need the
+    /// outcome.
+    pub fn allocate_if_fits(
+        &self,
+        claim: &ResourceClaim,
+        node: &str,
+    ) -> Result<Option<AllocationResult>, AllocError> {
+        self.try_allocate(claim, node, None)
+    }
+
     /// Like [`Allocator::allocate_among`] but without an explanation when the
     /// claim does not fit (`Ok(None)`).
     pub(crate) fn try_allocate(
@@ -658,8 +669,9 @@ impl<'a> Allocator<'a> {
     }
 
     /// True when `claim` fits on `node` but kube-scheduler's allocator before
-    /// kubernetes/kubernetes PR #140431 (issue #140436; Kubernetes 1.36 and
-    /// earlier, unless a patch release carries the fix) would refuse it: that
+    /// the fix of kubernetes/kubernetes#140436 (through 1.36.2; 1.36.3 and
+    /// 1.37 roll rejected candidates' counters back, as the upstream
+    /// allocator shows in e2e/tests/upstream_allocator.rs) would refuse it: that
     /// allocator keeps the shared counters of a candidate it rejects on a
     /// device taint or a `matchAttribute`/`distinctAttribute` constraint, and
     /// of an allow-multiple device it backtracks from, so later candidates of

@@ -16,9 +16,23 @@
 //!   MIG-MPS or time-slice share, and one share over another share's units.
 //! - **distinctAttribute.** 1.34's constraint compares the attributes'
 //!   pointers, never their values, so it never rejects (fixed in 1.35).
-//! - **Capacity of a shared device.** 1.34 checks a request's capacity
-//!   against the first device of the slice the chosen device is in, not the
-//!   chosen device (fixed in 1.35).
+//! - **Capacity of a shared device.** With consumable capacity on, 1.34
+//!   checks the capacity of the device at the chosen device's *position in
+//!   its request* within the chosen device's slice (`Devices[k]` for the
+//!   request's k-th device), not the chosen device (fixed in 1.35, which
+//!   passes the device). So it reads another device's capacity and what is
+//!   already consumed of it, and when the slice has k devices or fewer it
+//!   indexes past the end and panics: a claim for two MPS shares, or for
+//!   several whole GPUs, crashes kube-scheduler (its Filter runs under
+//!   `HandleCrash`, which re-panics). Run through the upstream allocator of
+//!   1.34.13 on carve's slices (`e2e/tests/upstream_allocator.rs`). No
+//!   layout avoids it, so carve publishes no share for a 1.34 scheduler,
+//!   and the README says to keep `DRAConsumableCapacity` off on one.
+//! - **Counters of rejected candidates** (kubernetes/kubernetes#140436):
+//!   through 1.36.2 the allocator keeps the counters of a candidate it
+//!   rejects on a constraint or a taint, so later candidates of the same
+//!   counter set look exhausted and a claim that fits is refused. 1.36.3
+//!   (and 1.37.2) roll them back (`deviceRollbackState`).
 //!
 //! The version-skew policy lets kube-scheduler be up to one minor release
 //! older than the API server and never newer, and a node sees only the API
@@ -125,10 +139,20 @@ impl SchedulerVersion {
     }
 
     /// Whether it checks a shared device's capacity against the device it
-    /// chose: from 1.35 (1.34 reads the first device of the slice).
+    /// chose: from 1.35 (1.34 reads the device at the chosen one's position
+    /// in the request, and panics past the slice's end). carve publishes
+    /// shares only for a scheduler that does.
     #[must_use]
     pub fn checks_chosen_device_capacity(self) -> bool {
         self.minor >= 35
+    }
+
+    /// Whether its allocator keeps the counters of candidates it rejects
+    /// (kubernetes/kubernetes#140436), refusing some claims that fit:
+    /// through 1.36.2; a 1.36 without its patch is taken as 1.36.0.
+    #[must_use]
+    pub fn leaks_rejected_counters(self) -> bool {
+        self.minor < 36 || (self.minor == 36 && self.patch.is_none_or(|p| p < 3))
     }
 }
 
@@ -181,18 +205,22 @@ pub enum ShareLayout {
     /// pairwise disjoint units and no exclusive device; every other GPU
     /// publishes only exclusive devices. No published share then overlaps any
     /// other published device, so a scheduler that leaves shares' counters out
-    /// cannot place anything over a share. In the 1.34 layout each listed GPU
-    /// has a slice of its own, so the first device of its slice has the
-    /// capacity of every device there (1.34 checks that one).
+    /// cannot place anything over a share. In the 1.34 layout (a slice builder
+    /// given shares there; [`Self::for_scheduler`] gives none for 1.34) each
+    /// listed GPU has a slice of its own.
     Separate(BTreeMap<u32, SharedGpu>),
 }
 
 impl ShareLayout {
     /// The layout a scheduler `v` needs: [`Self::Mixed`] where it counts
-    /// shared devices' counters, else [`Self::Separate`] with `shared`.
+    /// shared devices' counters, else [`Self::Separate`] with `shared`; no
+    /// share at all (`Separate` with none) for a scheduler that does not
+    /// check a share's capacity on the device it chose (1.34).
     #[must_use]
     pub fn for_scheduler(v: SchedulerVersion, shared: &BTreeMap<u32, SharedGpu>) -> Self {
-        if v.counts_shared_counters() {
+        if !v.checks_chosen_device_capacity() {
+            Self::Separate(BTreeMap::new())
+        } else if v.counts_shared_counters() {
             Self::Mixed
         } else {
             Self::Separate(shared.clone())
@@ -274,6 +302,21 @@ mod tests {
         assert!(!v("1.34").enforces_distinct_attribute());
         assert!(v("1.35.0").enforces_distinct_attribute());
         assert!(!v("1.34.4").checks_chosen_device_capacity());
+        assert!(v("1.36.2").leaks_rejected_counters() && v("1.36").leaks_rejected_counters());
+        assert!(!v("1.36.3").leaks_rejected_counters() && !v("1.37").leaks_rejected_counters());
+        let one = parse_shared_gpus("1=mps").unwrap();
+        assert_eq!(
+            ShareLayout::for_scheduler(v("1.34.13"), &one),
+            ShareLayout::Separate(BTreeMap::new())
+        );
+        assert_eq!(
+            ShareLayout::for_scheduler(v("1.35.10"), &one),
+            ShareLayout::Separate(one.clone())
+        );
+        assert_eq!(
+            ShareLayout::for_scheduler(v("1.36.2"), &one),
+            ShareLayout::Mixed
+        );
     }
 
     #[test]

@@ -97,6 +97,11 @@ fn scheduler_notes(
             distinct.join(", ")
         ));
     }
+    if !v.checks_chosen_device_capacity() && asks_for_several_devices(claim) {
+        notes.push(format!(
+            "kube-scheduler {v} with DRAConsumableCapacity on checks the k-th device of a request on the k-th device of the chosen device's slice, and panics where that slice has fewer devices, which crashes kube-scheduler (fixed in 1.35): keep that gate off on a 1.34 scheduler (carve publishes no share for one)"
+        ));
+    }
     if !v.counts_shared_counters() {
         let held = held_shares_overlapped(inputs, node);
         if !held.is_empty() {
@@ -112,6 +117,28 @@ fn scheduler_notes(
         ));
     }
     notes
+}
+
+/// Whether a request of `claim` (or a subrequest) asks for more than one
+/// device: `count` above 1 or `allocationMode: All`.
+fn asks_for_several_devices(claim: &ResourceClaim) -> bool {
+    let several = |mode: Option<&String>, count: Option<i64>| {
+        mode.is_some_and(|m| m == "All") || count.is_some_and(|c| c > 1)
+    };
+    claim
+        .spec
+        .devices
+        .iter()
+        .flat_map(|d| d.requests.iter().flatten())
+        .any(|r| {
+            r.exactly
+                .as_ref()
+                .is_some_and(|e| several(e.allocation_mode.as_ref(), e.count))
+                || r.first_available
+                    .iter()
+                    .flatten()
+                    .any(|s| several(s.allocation_mode.as_ref(), s.count))
+        })
 }
 
 /// The shared devices of `node` that claims already hold and that some
@@ -480,9 +507,9 @@ fn result_lines(result: &k8s_openapi::api::resource::v1::AllocationResult) -> St
     out
 }
 
-/// What `explain` adds where the scheduler of Kubernetes 1.36 and earlier
-/// would still refuse a claim that fits.
-const UPSTREAM_LEAK_NOTE: &str = "  but kube-scheduler 1.36 and earlier (without kubernetes/kubernetes PR #140431) refuses it: its allocator keeps the shared counters of candidates it rejects on a constraint or taint (kubernetes/kubernetes#140436), and this claim's search rejects some; the pod stays pending there until the scheduler has the fix\n";
+/// What `explain` adds where the scheduler of Kubernetes 1.36.2 and
+/// earlier would still refuse a claim that fits.
+const UPSTREAM_LEAK_NOTE: &str = "  but kube-scheduler 1.36.2 and earlier refuses it: its allocator keeps the shared counters of candidates it rejects on a constraint or taint (kubernetes/kubernetes#140436; fixed in 1.36.3), and this claim's search rejects some; the pod stays pending there until the scheduler has the fix\n";
 
 /// Build the allocator inputs and the claim; returns (text, fits).
 pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
@@ -564,8 +591,10 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<(String, bool)> {
         );
         return Ok((out, true));
     }
+    // Only for a scheduler with the leak, or one not known.
+    let leaks = scheduler.is_none_or(|(v, _)| v.leaks_rejected_counters());
     let upstream_refuses = |fits: bool| -> anyhow::Result<bool> {
-        Ok(fits && alloc.refused_by_upstream_counter_leak(&claim, &node)?)
+        Ok(fits && leaks && alloc.refused_by_upstream_counter_leak(&claim, &node)?)
     };
     match alloc.allocate(&claim, &node) {
         Ok(result) if args.json => {

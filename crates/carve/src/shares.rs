@@ -23,7 +23,8 @@ pub struct ShareArgs {
     /// The kube-scheduler release the node's slices are for (`1.35`,
     /// `1.36.2`; carve models 1.34 to 1.37). Before 1.36.2 its allocator does
     /// not count the counters of shared devices already allocated, so carve
-    /// then publishes shares only on the GPUs of `--shared-gpus`. Default:
+    /// then publishes shares only on the GPUs of `--shared-gpus`; for 1.34,
+    /// whose allocator checks a share on the wrong device, none. Default:
     /// the oldest scheduler the version-skew policy allows beside the API
     /// server (one minor release older).
     #[arg(long, value_parser = parse_scheduler_version)]
@@ -68,7 +69,11 @@ impl ShareDecision {
                 self.scheduler
             )
         };
-        Some(if listed.is_empty() {
+        Some(if !self.scheduler.checks_chosen_device_capacity() {
+            format!(
+                "{whose} checks a share's capacity on another device than the one it chose, and crashes on a request for several devices that reaches past the end of a slice (fixed in 1.35), so no share is published: shares need kube-scheduler 1.35 or later (state it with --scheduler-version), and a 1.34 scheduler is safe only with its DRAConsumableCapacity gate off"
+            )
+        } else if listed.is_empty() {
             format!(
                 "{whose} does not count the counters of shared devices already allocated (fixed in 1.36.2), so no share is published: name the GPUs that host shares with --shared-gpus"
             )
@@ -181,10 +186,28 @@ mod tests {
         // Newer than the API server: not allowed, so not believed.
         let d = stated.decide(KubeVersion::new(1, 35), &empty);
         assert!(!d.stated && matches!(d.layout, ShareLayout::Separate(_)));
+        // A 1.34 scheduler (stated, or assumed beside a 1.35 API server)
+        // gets no share, whatever the list.
+        let listed = parse_shared_gpus("3=mps").unwrap();
+        let d = ShareArgs::default().decide(KubeVersion::new(1, 35), &listed);
+        assert_eq!(d.layout, ShareLayout::Separate(BTreeMap::new()));
+        assert!(
+            d.note(true)
+                .unwrap()
+                .contains("kube-scheduler 1.35 or later")
+        );
+        let v135 = ShareArgs {
+            scheduler_version: Some(SchedulerVersion::new(35, None)),
+            ..ShareArgs::default()
+        };
+        assert_eq!(
+            v135.decide(KubeVersion::new(1, 35), &listed).layout,
+            ShareLayout::Separate(listed.clone())
+        );
         use crate::simulate::SimSharing;
         let all =
             default_node_shared(&[SimSharing::Mps, SimSharing::MigMps, SimSharing::Timeslice]);
-        let d = ShareArgs::default().decide(KubeVersion::new(1, 35), &all);
+        let d = ShareArgs::default().decide(KubeVersion::new(1, 36), &all);
         assert!(
             d.note(true)
                 .unwrap()

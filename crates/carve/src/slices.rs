@@ -71,7 +71,7 @@ pub const DEFAULT_SHARING: [&str; 3] = ["mps", "mig-mps", "timeslice"];
 
 /// The Kubernetes version (slice layout) those commands default to
 /// (`--kube-version`).
-pub const DEFAULT_KUBE_VERSION: &str = "1.35";
+pub const DEFAULT_KUBE_VERSION: &str = "1.36";
 
 #[derive(Debug, clap::Args)]
 pub struct SlicesArgs {
@@ -336,9 +336,9 @@ mod tests {
         );
         assert!(plain.contains("1g.10gb×7 "), "{plain}");
         assert!(t.contains("1g.10gb×14 "), "{t}");
-        // For the scheduler a 1.35 API server may have (1.34), shares go
+        // For the scheduler a 1.36 API server may have (1.35), shares go
         // apart: none without --shared-gpus, else only on the GPUs listed.
-        let apart = run(&args("h100-80gb:2,l4:1", 35, Output::Table)).unwrap();
+        let apart = run(&args("h100-80gb:2,l4:1", 36, Output::Table)).unwrap();
         assert!(
             !apart.contains("mps") && !apart.contains("timeslice"),
             "{apart}"
@@ -349,11 +349,21 @@ mod tests {
                 shared_gpus: carve_model::scheduler::parse_shared_gpus("1=mig-mps:3g.40gb,2=mps")
                     .ok(),
             },
-            ..args("h100-80gb:2,l4:1", 35, Output::Table)
+            ..args("h100-80gb:2,l4:1", 36, Output::Table)
         })
         .unwrap();
         assert!(listed.contains("devices:  3g.40gb×2\n"), "{listed}");
         assert!(listed.contains("devices:  mps×1\n"), "{listed}");
+        // For a 1.35 API server's (1.34): no share, even listed.
+        let none = run(&SlicesArgs {
+            shares: crate::shares::ShareArgs {
+                scheduler_version: None,
+                shared_gpus: carve_model::scheduler::parse_shared_gpus("2=mps").ok(),
+            },
+            ..args("h100-80gb:2,l4:1", 35, Output::Table)
+        })
+        .unwrap();
+        assert!(!none.contains("mps"), "{none}");
     }
 
     #[test]

@@ -301,11 +301,24 @@ fn explain_says_when_the_unfixed_scheduler_would_refuse_a_claim_that_fits() {
     assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("-> gpu-1-mig-3g40gb-0"), "{}", r.stdout);
     assert!(
-        r.stdout.contains("kube-scheduler 1.36 and earlier")
+        r.stdout.contains("kube-scheduler 1.36.2 and earlier")
             && r.stdout.contains("kubernetes/kubernetes#140436"),
         "{}",
         r.stdout
     );
+    // A scheduler with the fix (1.36.3, 1.37) refuses nothing: no note.
+    for fixed in ["1.36.3", "1.37"] {
+        let r = carve(&[
+            "explain",
+            &example("mig-same-parent"),
+            "--slices",
+            state.to_str().unwrap(),
+            "--scheduler-version",
+            fixed,
+        ]);
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        assert!(!r.stdout.contains("#140436"), "{fixed}: {}", r.stdout);
+    }
     // On the empty node nothing is rejected on the constraint: no note.
     let empty = explain(&example("mig-same-parent"), "h100-80gb:2");
     assert_eq!(empty.code, 0, "{}", empty.stderr);
@@ -1030,4 +1043,42 @@ fn a_scheduler_version_carve_does_not_model_is_a_usage_error() {
             r.stderr
         );
     }
+}
+
+/// A claim for several devices meets 1.34's capacity check on the wrong
+/// device, which crashes that scheduler with DRAConsumableCapacity on:
+/// `explain --scheduler-version 1.34` says so; for 1.35 it does not, nor
+/// for one device.
+#[test]
+fn explain_warns_that_a_1_34_scheduler_crashes_on_a_request_for_several_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let claim = |count: u32| {
+        format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: gpus\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        deviceClassName: gpu.carve.dev\n        count: {count}\n"
+        )
+    };
+    let two = write(dir.path(), "two.yaml", &claim(2));
+    let one = write(dir.path(), "one.yaml", &claim(1));
+    let run = |c: &Path, v: &str| {
+        let r = carve(&[
+            "explain",
+            c.to_str().unwrap(),
+            "--gpus",
+            "h100-80gb:2",
+            "--kube-version",
+            "1.35",
+            "--scheduler-version",
+            v,
+        ]);
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        r.stdout
+    };
+    let out = run(&two, "1.34");
+    assert!(
+        out.contains("note: kube-scheduler 1.34 with DRAConsumableCapacity on")
+            && out.contains("crashes kube-scheduler"),
+        "{out}"
+    );
+    assert!(!run(&two, "1.35").contains("DRAConsumableCapacity"));
+    assert!(!run(&one, "1.34").contains("DRAConsumableCapacity"));
 }

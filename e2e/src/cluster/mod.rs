@@ -289,11 +289,20 @@ impl Component {
 /// (`../shared/reference/real-cluster.md` §3): partitionable devices,
 /// consumable capacity, device taints and extended resources are alpha and
 /// off on 1.34 and 1.35; from 1.36 they are beta and on (1.37: GA or beta),
-/// so nothing is set there. Every component accepts every gate. The names
-/// of the gates to turn on.
+/// so nothing is set there. On 1.34 consumable capacity stays off, as the
+/// README tells admins: its allocator crashes on a request for several
+/// devices with it on, and carve publishes no share for a 1.34 scheduler
+/// (`carve_model::scheduler`). Every component accepts every gate. The
+/// names of the gates to turn on.
 #[must_use]
 pub fn feature_gates(kube_version: &str) -> &'static [&'static str] {
-    if minor(kube_version) < 36 {
+    if minor(kube_version) == 34 {
+        &[
+            "DRAPartitionableDevices",
+            "DRADeviceTaints",
+            "DRAExtendedResource",
+        ]
+    } else if minor(kube_version) < 36 {
         &[
             "DRAPartitionableDevices",
             "DRAConsumableCapacity",

@@ -20,7 +20,9 @@
 //	 "claims": [ResourceClaim...]}
 //
 // "features" are names of the fields of structured.Features of the release
-// to turn on (a name the release does not have is an error). Output
+// to turn on (a name the release does not have is an error). A field of
+// the input that this release's k8s.io/api does not know is an error too:
+// that release's API server would not have kept it. Output
 // (stdout, JSON): one entry per claim, in order, with the allocation result
 // the allocator returned, or none and why.
 package main

@@ -346,10 +346,9 @@ fn run_upstream(
     for r in &o.results {
         assert!(
             r.allocation.is_some() || r.unsatisfiable,
-            "{}: {} failed on {}: {}",
+            "{}: claim {}: an allocator error on valid input: {}",
             bin.display(),
             r.claim,
-            "valid input",
             r.error
         );
     }

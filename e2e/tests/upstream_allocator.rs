@@ -21,6 +21,7 @@ use std::process::{Command, Stdio};
 
 use carve_alloc::quantity::Qty;
 use carve_alloc::{Allocator, Inputs, Object};
+use carve_frag::rng::SplitMix64;
 use carve_model::scheduler::SchedulerVersion;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceClass, ResourceClaim, ResourceClaimStatus, ResourceSlice,
@@ -228,15 +229,6 @@ fn example_claims() -> Vec<ResourceClaim> {
         .collect()
 }
 
-/// splitmix64.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 const ATTR: &str = "device.attributes[\"gpu.carve.dev\"]";
 
 /// One request of the fill: its JSON (`exactly` or `firstAvailable`).
@@ -276,15 +268,15 @@ fn fill_request(kind: u64, name: &str) -> serde_json::Value {
 /// The fill of `seed`: `n` claims, most of one request, some of two with a
 /// `matchAttribute` or `distinctAttribute` constraint on the parent GPU.
 fn fill_claims(seed: u64, n: usize) -> Vec<ResourceClaim> {
-    let mut state = seed;
+    let mut rng = SplitMix64::new(seed);
     (0..n)
         .map(|i| {
-            let shape = next(&mut state) % 10;
-            let mut spec = serde_json::json!({"requests": [fill_request(next(&mut state) % 13, "a")]});
+            let shape = rng.below(10);
+            let mut spec = serde_json::json!({"requests": [fill_request(rng.below(13), "a")]});
             if shape >= 8 {
                 let constraint = if shape == 8 { "matchAttribute" } else { "distinctAttribute" };
                 spec = serde_json::json!({
-                    "requests": [fill_request(next(&mut state) % 5, "a"), fill_request(next(&mut state) % 5, "b")],
+                    "requests": [fill_request(rng.below(5), "a"), fill_request(rng.below(5), "b")],
                     "constraints": [{"requests": ["a", "b"], constraint: "gpu.carve.dev/parentUUID"}],
                 });
             }

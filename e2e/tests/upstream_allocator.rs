@@ -306,6 +306,19 @@ struct Output {
     results: Vec<Outcome>,
 }
 
+/// Runs the allocator `bin` on `input`, whatever its exit.
+fn spawn_upstream(bin: &PathBuf, input: &serde_json::Value) -> std::process::Output {
+    let mut child = Command::new(bin)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the upstream allocator");
+    let stdin = child.stdin.take().expect("stdin");
+    serde_json::to_writer(stdin, input).expect("write the allocator's input");
+    child.wait_with_output().expect("the upstream allocator")
+}
+
 /// Runs `claims` through the allocator `bin`, one after another.
 fn run_upstream(
     bin: &PathBuf,
@@ -318,15 +331,7 @@ fn run_upstream(
         "node": NODE, "features": features(release), "slices": slices,
         "classes": classes, "claims": claims,
     });
-    let mut child = Command::new(bin)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the upstream allocator");
-    let stdin = child.stdin.take().expect("stdin");
-    serde_json::to_writer(stdin, &input).expect("write the allocator's input");
-    let out = child.wait_with_output().expect("the upstream allocator");
+    let out = spawn_upstream(bin, &input);
     assert!(
         out.status.success(),
         "{} failed: {}",
@@ -710,17 +715,7 @@ fn a_1_34_scheduler_checks_capacity_on_the_wrong_device() {
             serde_json::json!({"node": NODE, "features": features, "slices": slices,
                 "classes": classes, "claims": [claim]})
         };
-        let run = |features: &[&str]| {
-            let mut child = Command::new(&bin)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start the upstream allocator");
-            serde_json::to_writer(child.stdin.take().expect("stdin"), &input(features))
-                .expect("write the input");
-            child.wait_with_output().expect("the upstream allocator")
-        };
+        let run = |features: &[&str]| spawn_upstream(&bin, &input(features));
         let on = run(&FEATURES);
         let stderr = String::from_utf8_lossy(&on.stderr);
         if release.starts_with("1.34.") {

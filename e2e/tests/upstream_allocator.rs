@@ -751,3 +751,24 @@ fn a_1_34_scheduler_checks_capacity_on_the_wrong_device() {
         }
     }
 }
+
+/// The driver turns features on by name; a name the release's
+/// `structured.Features` lacks is an error that names it, never a feature
+/// silently left off.
+#[test]
+fn the_driver_refuses_a_feature_its_release_lacks() {
+    let Some(bin) = upstream("1.37.2") else {
+        return;
+    };
+    let input = serde_json::json!({"node": NODE, "features": ["NoSuchFeature"],
+        "slices": [], "classes": [], "claims": []});
+    let out = spawn_upstream(&bin, &input);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("\"NoSuchFeature\"")
+            && stderr.contains("PartitionableDevices"),
+        "{}: {stderr}",
+        out.status
+    );
+}
